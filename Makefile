@@ -1,0 +1,39 @@
+# decodebench: every target does its own set-up, so `make demo` and `make test` work on a fresh clone.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.setup-stamp
+SWEEP ?= demo
+
+.PHONY: setup demo test report sweep lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python run.py -m engine=generate model=tiny sweep=$(SWEEP)
+	$(MAKE) --no-print-directory report
+
+report: setup
+	$(BIN)/python -m reports.render
+
+sweep: setup
+	$(BIN)/python run.py -m engine=generate model=tiny context=256,1024 sweep=$(SWEEP)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf .cache evidence/runs/* reports/REPORT.md reports/*.png build *.egg-info

@@ -1,0 +1,1 @@
+"""decodebench core: configuration, device layer, checkpoints, evidence records."""

@@ -1,0 +1,294 @@
+"""The one loader: synthetic, hub id or local path, W4A16 `-ct-text` or its `-emb4` twin.
+
+A checkpoint's tensors are read with safetensors, the text prefix is detected
+(``model.language_model.``, ``language_model.``, ``model.``), compressed-tensors ``pack-quantized``
+weights are unpacked with compressed-tensors' own helpers and dequantized to the run's dtype, and
+Transformers' ``Gemma4ForCausalLM`` is built from the state dict.  Any weight the model expects but
+the checkpoint lacks is an error, never a silent random init (the trap in shared/notes section 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs
+from safetensors import safe_open
+from transformers import AutoTokenizer, Gemma4TextConfig, PreTrainedTokenizerBase
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+INT4_TABLES = ("embed_tokens_per_layer",)  # tables a 4-bit-table engine keeps packed
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or does not fit the model it claims to be."""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder on disk and what it says about itself."""
+
+    path: Path
+    config: Gemma4TextConfig
+    quantization: dict[str, Any] | None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = self.config.eos_token_id
+        return list(eos) if isinstance(eos, list | tuple) else [eos]
+
+
+@dataclass
+class PackedTable:
+    """An int4 table kept packed: int32 words [rows, cols/8], one scale per 32 columns."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]
+
+
+def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
+    """Finds (building or downloading if needed) the checkpoint a model config names.
+
+    ``tables='int4'`` picks the ``-emb4`` twin, ``'bf16'`` the ``-ct-text`` one.
+    """
+    if model_cfg.source == "synthetic":
+        from scripts.make_checkpoint import ensure_synthetic
+
+        built = ensure_synthetic(model_cfg, cache_dir)
+        path = built.emb4 if tables == "int4" else built.w4a16
+        provenance = {"kind": "synthetic", "synthetic": True, "key": built.key, "path": str(path)}
+    elif model_cfg.source == "hub":
+        local = model_cfg.emb4_path if tables == "int4" else model_cfg.path
+        hub_id = model_cfg.emb4_hub_id if tables == "int4" else model_cfg.hub_id
+        if local:
+            path = Path(local)
+            provenance = {"kind": "path", "synthetic": False, "path": str(path), "hub_id": hub_id}
+        else:
+            path = _download(hub_id)
+            provenance = {"kind": "hub", "synthetic": False, "hub_id": hub_id, "path": str(path)}
+    else:
+        raise CheckpointError(f"model.source={model_cfg.source!r} must be 'synthetic' or 'hub'")
+    ckpt = open_checkpoint(path)
+    ckpt.provenance.update(provenance)
+    ckpt.provenance["weights"] = "int4 tables (-emb4)" if tables == "int4" else "W4A16 linears, bf16 tables"
+    return ckpt
+
+
+def _download(hub_id: str | None) -> Path:
+    if not hub_id:
+        raise CheckpointError("this model names no hub id; set model.path= to a local copy")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"]))
+    except Exception as exc:  # offline, private, or missing: say which checkpoint and how to work around
+        raise CheckpointError(
+            f"could not fetch {hub_id} from the hub ({type(exc).__name__}: {exc}); "
+            "download it elsewhere and pass model.path=<folder>"
+        ) from exc
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Reads config.json (text or multimodal) and checks the folder holds safetensors."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} holds no config.json: not a checkpoint folder")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+    if not _weight_files(path):
+        raise CheckpointError(f"{path} holds no .safetensors weights")
+    text = dict(raw.get("text_config") or raw)  # a multimodal config nests the text one
+    text.pop("quantization_config", None)
+    text["model_type"] = "gemma4_text"
+    if "eos_token_id" not in text and "eos_token_id" in raw:
+        text["eos_token_id"] = raw["eos_token_id"]
+    generation = path / "generation_config.json"
+    if generation.is_file():  # the stop set is the generation config's (Gemma: [1, 106, 50])
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            text["eos_token_id"] = eos
+    config = Gemma4TextConfig.from_dict(text)
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+    provenance = {"config_sha256_16": digest}
+    marker = path / "decodebench_synthetic.json"
+    if marker.is_file():
+        provenance.update(json.loads(marker.read_text()))
+    return Checkpoint(path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, with names as stored."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        if not file.is_file():
+            raise CheckpointError(f"shard {file} named by the index is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[name] = f.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
+    return tensors
+
+
+def _text_prefix(names: list[str]) -> str:
+    for prefix in TEXT_PREFIXES:
+        if any(n.startswith(prefix + "layers.") for n in names):
+            return prefix
+    raise CheckpointError("no Gemma 4 decoder layers found under " + ", ".join(TEXT_PREFIXES))
+
+
+def _quant_args(quantization: dict[str, Any] | None, stored_name: str, is_table: bool) -> QuantizationArgs:
+    """The weight args of the config group whose targets match a packed module."""
+    if not quantization:
+        raise CheckpointError(f"{stored_name} is packed but config.json has no quantization_config")
+    for group in quantization.get("config_groups", {}).values():
+        for target in group.get("targets", []):
+            regex = target[3:] if target.startswith("re:") else None
+            if (regex and re.match(regex, stored_name)) or (target == "Linear" and not is_table):
+                return QuantizationArgs(**group["weights"])
+    raise CheckpointError(f"no quantization group targets {stored_name}")
+
+
+def unpack_weight(tensors: dict[str, torch.Tensor], stored: str) -> torch.Tensor:
+    """Int4 levels (int8, -8..7) of a pack-quantized weight, shape [out, in]."""
+    shape = torch.Size(tensors[f"{stored}.weight_shape"].tolist())
+    return unpack_from_int32(tensors[f"{stored}.weight_packed"], 4, shape)
+
+
+def dequantize(levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype) -> torch.Tensor:
+    """w = level * scale[group], computed in float32 and cast once to ``dtype``."""
+    if args.num_bits != 4 or not args.symmetric or args.strategy != "group":
+        raise CheckpointError(f"unsupported weight quantization {args}")
+    rows, cols = levels.shape
+    grouped = levels.to(torch.float32).view(rows, cols // args.group_size, args.group_size)
+    return (grouped * scale.to(torch.float32)[:, :, None]).view(rows, cols).to(dtype)
+
+
+def text_state_dict(
+    ckpt: Checkpoint, dtype: torch.dtype, keep_packed: tuple[str, ...] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, PackedTable]]:
+    """The model's state dict (names as ``Gemma4ForCausalLM`` wants them), dequantized to ``dtype``.
+
+    Tables named in ``keep_packed`` stay int4 and are returned separately, keyed by module path.
+    """
+    tensors = read_tensors(ckpt.path)
+    prefix = _text_prefix(list(tensors))
+    out: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedTable] = {}
+    for stored in sorted(tensors):
+        if stored.startswith(prefix):
+            name = "model." + stored.removeprefix(prefix)
+        elif stored.startswith("lm_head."):
+            name = stored
+        else:
+            continue  # vision / audio towers of a multimodal repack
+        module, _, leaf = name.rpartition(".")
+        if leaf in PACKED_SUFFIXES:
+            if leaf != "weight_packed":
+                continue
+            stored_module = stored.rpartition(".")[0]
+            is_table = module.endswith(("embed_tokens", "embed_tokens_per_layer")) or module == "lm_head"
+            args = _quant_args(ckpt.quantization, stored_module, is_table)
+            scale = tensors[f"{stored_module}.weight_scale"]
+            if module.rpartition(".")[2] in keep_packed:
+                shape = tuple(tensors[f"{stored_module}.weight_shape"].tolist())
+                packed[module] = PackedTable(tensors[stored], scale, shape)
+                continue
+            out[f"{module}.weight"] = dequantize(unpack_weight(tensors, stored_module), scale, args, dtype)
+        elif tensors[stored].is_floating_point():
+            out[name] = tensors[stored].to(dtype)
+        else:
+            out[name] = tensors[stored]
+    return out, packed
+
+
+def load_model(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, keep_packed: tuple[str, ...] = ()
+) -> tuple[Gemma4ForCausalLM, dict[str, PackedTable]]:
+    """Builds ``Gemma4ForCausalLM`` on ``device`` from the checkpoint; errors on any missing weight.
+
+    Modules whose tables are kept packed are built empty-free: the caller must replace them (the
+    4-bit-table engine does) and their weights are not required.
+    """
+    state, packed = text_state_dict(ckpt, dtype, keep_packed)
+    config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
+    if "lm_head.weight" in state:
+        config.tie_word_embeddings = False
+    for module in packed:  # a placeholder the engine swaps for its own int4 module
+        state[f"{module}.weight"] = torch.empty(0, dtype=dtype)
+    model, info = Gemma4ForCausalLM.from_pretrained(
+        None,
+        config=config,
+        state_dict=state,
+        dtype=dtype,
+        device_map=str(device),
+        output_loading_info=True,
+        ignore_mismatched_sizes=bool(packed),
+    )
+    missing = sorted(info["missing_keys"])
+    mismatched = [k for k, *_ in info["mismatched_keys"] if k.rpartition(".")[0] not in packed]
+    if missing or mismatched:
+        raise CheckpointError(
+            f"{ckpt.path}: the model would be left with uninitialised weights: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, wrong shape {mismatched[:8]}"
+        )
+    model.eval()
+    model.generation_config.eos_token_id = ckpt.eos_ids
+    model.generation_config.pad_token_id = ckpt.config.pad_token_id
+    return model, packed
+
+
+def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(ckpt.path))
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt.path}: tokenizer could not be loaded: {exc}") from exc
+
+
+def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
+    """Transformers' own loading path (its compressed-tensors integration), the parity reference.
+
+    The text config gets the checkpoint's ``quantization_config`` and the multimodal names are mapped,
+    as shared/notes section 4 found necessary; weights are dequantized by Transformers, not by us.
+    """
+    config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
+    if ckpt.quantization:
+        quantization = json.loads(json.dumps(ckpt.quantization))
+        quantization["ignore"] = [re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]]
+        config.quantization_config = quantization
+    model, info = Gemma4ForCausalLM.from_pretrained(
+        str(ckpt.path),
+        config=config,
+        key_mapping={r"^model\.language_model\.": "model."},
+        dtype=dtype,
+        device_map=str(device),
+        output_loading_info=True,
+    )
+    if info["missing_keys"]:
+        raise CheckpointError(f"reference load of {ckpt.path} left weights uninitialised: {sorted(info['missing_keys'])[:8]}")
+    model.eval()
+    model.generation_config.eos_token_id = ckpt.eos_ids
+    model.generation_config.pad_token_id = ckpt.config.pad_token_id
+    return model

@@ -1,0 +1,181 @@
+"""Typed configuration for one benchmark cell, registered with Hydra's ConfigStore.
+
+Every group (engine, model, device, experiment, hardware) is a dataclass; the YAML files under
+``conf/`` only choose values.  ``validate`` turns a composed config into clear errors before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+DEFAULT_PROMPT = "Write a short paragraph about the ocean."
+
+
+@dataclass
+class EngineConfig:
+    """Base of every engine's typed config; ``name`` selects the engine class."""
+
+    name: str = MISSING
+
+
+@dataclass
+class GenerateEngineConfig(EngineConfig):
+    """Hugging Face ``generate``: greedy, eager, dynamic cache."""
+
+    name: str = "generate"
+
+
+@dataclass
+class ModelConfig:
+    """A checkpoint: a synthetic one the project builds, or a real one from the hub or a path.
+
+    Shape fields describe the synthetic model (they are the Gemma 4 text-config fields of the same
+    name); for a hub or local checkpoint the checkpoint's own ``config.json`` decides the shape.
+    ``full_attention_every=k`` makes every k-th layer (k-1, 2k-1, ...) full attention.
+    """
+
+    name: str = MISSING
+    source: str = "synthetic"  # synthetic | hub
+    hub_id: str | None = None  # the W4A16 `-ct-text` repack
+    emb4_hub_id: str | None = None  # its `-emb4` twin (vocabulary tables int4)
+    path: str | None = None  # local copy of hub_id; wins over hub_id
+    emb4_path: str | None = None  # local copy of emb4_hub_id
+    tables: str = "bf16"  # which twin engines read by default: bf16 (-ct-text) | int4 (-emb4)
+    seed: int = 0
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    global_head_dim: int = 64
+    full_attention_every: int = 3
+    sliding_window: int = 16
+    num_kv_shared_layers: int = 2
+    use_double_wide_mlp: bool = True
+    hidden_size_per_layer_input: int = 32
+    max_position_embeddings: int = 131072
+    final_logit_softcapping: float = 30.0
+    rms_norm_eps: float = 1e-6
+    tokenizer_vocab: int = 3000  # BPE merges learnt for the synthetic tokenizer; the rest is filler
+
+
+@dataclass
+class DeviceConfig:
+    """``kind=auto`` picks tpu, then cuda, then cpu; a named kind must exist or the run fails."""
+
+    kind: str = "auto"
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = MISSING
+
+
+@dataclass
+class DecodeExperimentConfig(ExperimentConfig):
+    """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1)."""
+
+    name: str = "decode"
+
+
+@dataclass
+class HardwareConfig:
+    """Facts about the machine that derived figures need, each with its source.
+
+    ``memory_bandwidth_gb_s`` null means: measure it on this machine (CPU) and record it as evidence.
+    """
+
+    name: str = MISSING
+    description: str = ""
+    price_usd_per_hour: float | None = None
+    price_source: str = ""
+    memory_gb: float | None = None
+    memory_bandwidth_gb_s: float | None = None
+    peak_bf16_tflops: float | None = None
+    source: str = ""
+
+
+@dataclass
+class RunConfig:
+    """One benchmark cell.  ``context`` is the cache length in tokens."""
+
+    defaults: list[Any] = field(
+        default_factory=lambda: [
+            {"engine": "generate"},
+            {"model": "tiny"},
+            {"device": "auto"},
+            {"experiment": "decode"},
+            {"hardware": "auto"},
+            "_self_",
+        ]
+    )
+    engine: EngineConfig = MISSING
+    model: ModelConfig = MISSING
+    device: DeviceConfig = MISSING
+    experiment: ExperimentConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    context: int = 256
+    max_new_tokens: int = 64
+    repeats: int = 2
+    seed: int = 0
+    dtype: str = "bfloat16"
+    prompt: str = DEFAULT_PROMPT
+    chat_template: bool = True
+    sweep: str = "${now:%Y-%m-%d}"
+    resume: bool = False
+    evidence_dir: str = "evidence/runs"
+    cache_dir: str = ".cache"
+
+
+ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {"generate": GenerateEngineConfig}
+EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {"decode": DecodeExperimentConfig}
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with the numbers that make it so."""
+
+
+def validate(cfg: Any) -> None:
+    """Checks that need no model: raises ConfigError with every offending value named."""
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.max_new_tokens < 2:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)")
+    if cfg.repeats < 1:
+        raise ConfigError(f"repeats={cfg.repeats} must be at least 1")
+    if cfg.context < 1:
+        raise ConfigError(f"context={cfg.context} must be positive")
+    if cfg.model.tables not in ("bf16", "int4"):
+        raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
+
+
+def check_fits(context: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The cache must hold the prompt plus every generated token."""
+    need = prompt_tokens + max_new_tokens
+    if context < need:
+        raise ConfigError(
+            f"context={context} is too small: the prompt is {prompt_tokens} tokens and "
+            f"max_new_tokens={max_new_tokens}, so the cache needs at least {need} slots"
+        )
+
+
+def register_configs() -> None:
+    """Registers the structured configs so YAML files validate against them."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for name, node in ENGINE_SCHEMAS.items():
+        cs.store(group="schema/engine", name=name, node=node)
+    for name, node in EXPERIMENT_SCHEMAS.items():
+        cs.store(group="schema/experiment", name=name, node=node)
+    cs.store(group="schema", name="model", node=ModelConfig)
+    cs.store(group="schema", name="device", node=DeviceConfig)
+    cs.store(group="schema", name="hardware", node=HardwareConfig)

@@ -1,0 +1,15 @@
+"""Engines behind one interface (``engines.base.Engine``), looked up by ``engine.name``."""
+
+from __future__ import annotations
+
+from engines.base import Engine
+from engines.generate import GenerateEngine
+
+ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (GenerateEngine,)}
+
+
+def engine_class(name: str) -> type[Engine]:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise KeyError(f"unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))}") from None

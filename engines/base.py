@@ -1,0 +1,83 @@
+"""The engine interface: load a checkpoint, then greedily generate a token budget from prompt ids.
+
+Engines do no timing: the experiment puts ``device.sync()`` and the clock around ``load`` and
+``generate``.  Capability flags (``devices``) and ``unsupported_reason`` decide ``skipped`` cells.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
+from decodebench.device import Device
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Generation:
+    """Tokens an engine wrote after the prompt; ``logits`` [n, vocab] float32 on the host when asked."""
+
+    tokens: list[int]
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class EngineContext:
+    """What every engine is built from: its own config, the run's model, device, dtype and cache size."""
+
+    engine_cfg: Any
+    model_cfg: Any
+    device: Device
+    dtype: torch.dtype
+    context: int
+    cache_dir: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """One way of running the model.  Subclasses set ``name`` and implement ``load`` and ``generate``."""
+
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
+    tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+        self.checkpoint: Checkpoint | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        """Why this engine cannot run this cell here (recorded as ``skipped``), or None."""
+        if device.kind not in cls.devices:
+            return f"engine {cls.name} runs on {', '.join(cls.devices)}; this run's device is {device.kind}"
+        return None
+
+    def prepare(self) -> None:
+        """Finds the checkpoint (building a synthetic one on first use) and its tokenizer; not timed."""
+        tables = self.tables or self.ctx.model_cfg.tables
+        self.checkpoint = resolve(self.ctx.model_cfg, tables, self.ctx.cache_dir)
+        self.tokenizer = load_tokenizer(self.checkpoint)
+
+    @abstractmethod
+    def load(self) -> None:
+        """Reads the prepared checkpoint onto the device (the experiment times this)."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+        """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Engine-specific evidence (graph counts, cache layout, ...)."""
+        return {}
+
+    @property
+    def eos_ids(self) -> list[int]:
+        assert self.checkpoint is not None
+        return self.checkpoint.eos_ids

@@ -1,0 +1,66 @@
+"""Pieces every experiment shares: the cell it runs in, the clock, the prompt and the answer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from transformers import PreTrainedTokenizerBase
+
+from decodebench.device import Device
+from engines.base import Engine
+
+T = TypeVar("T")
+
+
+@dataclass
+class Result:
+    """What an experiment hands back for the evidence file."""
+
+    measurements: dict[str, Any] = field(default_factory=dict)
+    samples: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    timers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Cell:
+    """One configured run: the composed config, the resolved device and the (not yet loaded) engine."""
+
+    cfg: Any
+    device: Device
+    engine: Engine
+
+
+def timed(device: Device, fn: Callable[[], T]) -> tuple[T, float]:
+    """Runs ``fn`` between two ``device.sync()`` calls; returns its result and wall seconds."""
+    device.sync()
+    start = time.perf_counter()
+    result = fn()
+    device.sync()
+    return result, time.perf_counter() - start
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
+    """The prompt as the model reads it: through the chat template (which adds BOS), or BOS + text."""
+    if chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+
+
+def answer(tokens: list[int], eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The answer as a user would see it: tokens up to the first EOS, its text and finish reason."""
+    stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    kept = tokens if stop is None else tokens[:stop]
+    return {
+        "generated_ids": tokens,
+        "answer_ids": kept,
+        "text": tokenizer.decode(kept, skip_special_tokens=True),
+        "finish_reason": "length" if stop is None else "stop",
+        "answer_tokens": len(kept),
+    }

@@ -1,0 +1,61 @@
+"""Experiment ``decode``: the articles' method for decode speed, first-call cost and memory.
+
+Timer boundaries (each between two ``device.sync()`` calls, wall clock):
+* ``load_s``: ``engine.load()`` — reading the checkpoint, dequantizing, placing it on the device.
+* ``first_call_s``: the first ``generate`` of N tokens, compilation included.
+* ``warm_1_s`` / ``warm_n_s``: warm calls that write exactly 1 and N tokens (EOS ignored).
+* ``decode_tok_s`` = (N - 1) / (T_N - T_1) for each repeat's pair, so the prompt read drops out.
+"""
+
+from __future__ import annotations
+
+from decodebench.config import check_fits
+from decodebench.evidence import samples, scalar
+from experiments.common import Cell, Result, answer, prompt_ids, timed
+
+
+def run(cell: Cell) -> Result:
+    cfg, device, engine = cell.cfg, cell.device, cell.engine
+    n = cfg.max_new_tokens
+    result = Result(
+        timers={
+            "load_s": "engine.load(), device.sync() before and after",
+            "first_call_s": "first generate(N), compile included, device.sync() before and after",
+            "warm_1_s": "warm generate(1), device.sync() before and after",
+            "warm_n_s": "warm generate(N), EOS ignored, device.sync() before and after",
+            "decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair",
+        }
+    )
+    engine.prepare()
+    ids = prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)
+    check_fits(cfg.context, len(ids), n)
+    device.reset_peak()
+    _, load_s = timed(device, engine.load)
+    after_load = device.memory_now()
+
+    first, first_s = timed(device, lambda: engine.generate(ids, n))
+    warm_1, warm_n, rates = [], [], []
+    for _ in range(cfg.repeats):
+        _, t1 = timed(device, lambda: engine.generate(ids, 1))
+        gen, tn = timed(device, lambda: engine.generate(ids, n))
+        if gen.tokens != first.tokens:
+            raise RuntimeError("a warm greedy call wrote different tokens from the first call")
+        warm_1.append(t1)
+        warm_n.append(tn)
+        rates.append((n - 1) / (tn - t1))
+    peaks = device.peak_memory()
+
+    result.measurements.update(
+        load_s=scalar(load_s, "s"),
+        first_call_s=scalar(first_s, "s"),
+        warm_1_s=samples(warm_1, "s"),
+        warm_n_s=samples(warm_n, "s"),
+        decode_tok_s=samples(rates, "tok/s", formula="(N-1)/(T_N-T_1)"),
+        prompt_tokens=scalar(len(ids), "tok"),
+        new_tokens=scalar(n, "tok"),
+        memory_after_load=after_load.as_dict(),
+        **{f"memory_peak_{name}": reading.as_dict() for name, reading in peaks.items()},
+    )
+    result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n, decode_tok_s=rates)
+    result.outputs.update(prompt_ids=ids, **answer(first.tokens, engine.eos_ids, engine.tokenizer))
+    return result

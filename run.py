@@ -1,0 +1,27 @@
+"""decodebench entry point: ``python run.py engine=ring context=131328`` runs one cell;
+``python run.py -m engine=generate,compiled context=256,33024`` sweeps (Hydra multirun).
+Every cell writes one evidence file under ``evidence/runs/<sweep>/``, even when it fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from decodebench.cli import is_multirun, run_cell
+from decodebench.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    record = run_cell(cfg)
+    if record is not None and record["status"] == "failed" and not is_multirun():
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

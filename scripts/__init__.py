@@ -1,0 +1,1 @@
+"""Checkpoint and tokenizer makers, and machine set-up scripts."""
