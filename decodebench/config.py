@@ -149,7 +149,9 @@ def validate(cfg: Any) -> None:
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.max_new_tokens < 2:
-        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)")
+        raise ConfigError(
+            f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)"
+        )
     if cfg.repeats < 1:
         raise ConfigError(f"repeats={cfg.repeats} must be at least 1")
     if cfg.context < 1:

@@ -7,6 +7,7 @@ Every memory reading carries the name of the counter it came from.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import resource
 import time
@@ -94,9 +95,13 @@ class Device:
 
     def memory_now(self) -> MemoryReading:
         if self.kind == "cuda":
-            return MemoryReading(torch.cuda.memory_allocated(self.torch_device), "torch.cuda.memory_allocated")
+            return MemoryReading(
+                torch.cuda.memory_allocated(self.torch_device), "torch.cuda.memory_allocated"
+            )
         if self.kind == "tpu":
-            return MemoryReading(torch.accelerator.memory_allocated(), "torch.accelerator.memory_allocated (TPU HBM)")
+            return MemoryReading(
+                torch.accelerator.memory_allocated(), "torch.accelerator.memory_allocated (TPU HBM)"
+            )
         return MemoryReading(_status_kib("VmRSS") * 1024, "/proc/self/status VmRSS (process resident set)")
 
     def peak_memory(self) -> dict[str, MemoryReading]:
@@ -113,10 +118,13 @@ class Device:
         if self.kind == "tpu":
             return {
                 "allocated": MemoryReading(
-                    torch.accelerator.max_memory_allocated(), "torch.accelerator.max_memory_allocated (TPU HBM)"
+                    torch.accelerator.max_memory_allocated(),
+                    "torch.accelerator.max_memory_allocated (TPU HBM)",
                 )
             }
-        return {"rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")}
+        return {
+            "rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")
+        }
 
 
 def _status_kib(field: str) -> int:
@@ -128,14 +136,14 @@ def _status_kib(field: str) -> int:
 
 def _reset_rss_peak() -> None:
     """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def resolve_device(requested: str) -> Device:
-    kind = select_kind(requested, has_tpu=requested in ("auto", "tpu") and tpu_present(), has_cuda=cuda_present())
+    kind = select_kind(
+        requested, has_tpu=requested in ("auto", "tpu") and tpu_present(), has_cuda=cuda_present()
+    )
     if kind == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
         return Device(kind, dev, torch.cuda.get_device_name(dev))

@@ -13,7 +13,16 @@ from typing import Any
 
 from decodebench.device import Device, cpu_model
 
-PACKAGES = ("torch", "torch_tpu", "libtpu", "transformers", "compressed-tensors", "jax", "jaxlib", "decodebench_rs")
+PACKAGES = (
+    "torch",
+    "torch_tpu",
+    "libtpu",
+    "transformers",
+    "compressed-tensors",
+    "jax",
+    "jaxlib",
+    "decodebench_rs",
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +45,10 @@ def _rustc() -> str | None:
     if shutil.which("rustc") is None:
         return None
     try:
-        return subprocess.run(["rustc", "--version"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(["rustc", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 

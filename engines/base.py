@@ -45,7 +45,9 @@ class Engine(ABC):
 
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
-    tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
+    tables: ClassVar[str | None] = (
+        None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
+    )
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
@@ -70,7 +72,9 @@ class Engine(ABC):
         """Reads the prepared checkpoint onto the device (the experiment times this)."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
+    ) -> Generation:
         """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
 
     def describe(self) -> dict[str, Any]:

@@ -30,7 +30,9 @@ class GenerateEngine(Engine):
         )
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
+    ) -> Generation:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         out = self.model.generate(
             input_ids=ids,

@@ -118,7 +118,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-def _grid(rows: int, cols: int, gen: torch.Generator, chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(
+    rows: int, cols: int, gen: torch.Generator, chunk_rows: int = 8192
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4 levels in [-8, 7] (int8) and one scale per 32 columns with a 4-bit mantissa.
 
     Scales are m * 2**-11 with m in 8..15 (0.0039 to 0.0073), so level * scale is exact in bf16,
@@ -161,7 +163,9 @@ def _uniform_range(name: str) -> tuple[float, float]:
     return 0.8, 1.2
 
 
-def _packed(name: str, levels: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _packed(
+    name: str, levels: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized tensors for one weight."""
     rows, cols = levels.shape
     packed = torch.cat([pack_to_int32(levels[s : s + 16384], 4) for s in range(0, rows, 16384)])
@@ -173,7 +177,9 @@ def _packed(name: str, levels: torch.Tensor, scales: torch.Tensor, scale_dtype: 
 
 
 def _quantization_config(emb4: bool) -> dict[str, Any]:
-    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=INT4_WEIGHTS, format="pack-quantized")}
+    groups = {
+        "group_0": QuantizationScheme(targets=["Linear"], weights=INT4_WEIGHTS, format="pack-quantized")
+    }
     ignore = ["lm_head"]
     if emb4:
         for group, target in (
@@ -181,7 +187,9 @@ def _quantization_config(emb4: bool) -> dict[str, Any]:
             ("group_embed_tokens", r"re:.*\.embed_tokens$"),
             ("group_lm_head", r"re:^lm_head$"),
         ):
-            groups[group] = QuantizationScheme(targets=[target], weights=INT4_WEIGHTS, format="pack-quantized")
+            groups[group] = QuantizationScheme(
+                targets=[target], weights=INT4_WEIGHTS, format="pack-quantized"
+            )
         ignore = []
     qc = QuantizationConfig(
         config_groups=groups, ignore=ignore, format="pack-quantized", quantization_status="compressed"
@@ -210,7 +218,9 @@ def build(model_cfg: Any, out_root: Path) -> None:
     shape = shape_of(model_cfg)
     seed = model_cfg.seed
     tok_dir = out_root / "tokenizer"
-    special = build_tokenizer(tok_dir, vocab_size=shape["vocab_size"], bpe_vocab=shape["tokenizer_vocab"], seed=seed)
+    special = build_tokenizer(
+        tok_dir, vocab_size=shape["vocab_size"], bpe_vocab=shape["tokenizer_vocab"], seed=seed
+    )
     config = text_config(shape, special)
     with torch.device("meta"):
         skeleton = Gemma4ForCausalLM(config)
@@ -246,7 +256,12 @@ def build(model_cfg: Any, out_root: Path) -> None:
     for twin in ("w4a16", "emb4"):
         for f in tok_dir.iterdir():
             shutil.copy2(f, out_root / twin / f.name)
-    provenance = {"synthetic": True, "key": out_root.name, "shape": shape, "note": "weights are random, on an int4 grid"}
+    provenance = {
+        "synthetic": True,
+        "key": out_root.name,
+        "shape": shape,
+        "note": "weights are random, on an int4 grid",
+    }
     for twin in ("w4a16", "emb4"):
         (out_root / twin / "decodebench_synthetic.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
@@ -268,7 +283,11 @@ def ensure_synthetic(model_cfg: Any, cache_dir: str | Path) -> SyntheticCheckpoi
         if not (final / "emb4" / "decodebench_synthetic.json").exists():
             tmp = root / f"{key}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
-            print(f"[decodebench] building synthetic checkpoint {key} (first use) ...", file=sys.stderr, flush=True)
+            print(
+                f"[decodebench] building synthetic checkpoint {key} (first use) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             build(model_cfg, tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -276,7 +295,7 @@ def ensure_synthetic(model_cfg: Any, cache_dir: str | Path) -> SyntheticCheckpoi
 
 
 def main() -> None:
-    """``python -m scripts.make_checkpoint [model=tiny] [model.field=value ...]``: build and print the path."""
+    """``python -m scripts.make_checkpoint [model=tiny] [model.FIELD=VALUE ...]``: build, print the path."""
     from hydra import compose, initialize_config_dir
 
     from decodebench.config import register_configs

@@ -1,0 +1,53 @@
+"""Shared fixtures: composed configs and one tiny synthetic checkpoint per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from decodebench.config import register_configs
+from scripts.make_checkpoint import SyntheticCheckpoint, ensure_synthetic
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny(cache_dir: Path) -> SyntheticCheckpoint:
+    return ensure_synthetic(make_cfg().model, cache_dir)
+
+
+@pytest.fixture
+def cell_cfg(cache_dir: Path, tmp_path: Path):
+    """A composer for cells that write into this test's own evidence folder."""
+
+    def _make(*overrides: str) -> DictConfig:
+        return make_cfg(
+            f"cache_dir={cache_dir}",
+            f"evidence_dir={tmp_path / 'runs'}",
+            "sweep=test",
+            "device=cpu",
+            *overrides,
+        )
+
+    return _make
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_determinism():
+    torch.manual_seed(0)
+    yield

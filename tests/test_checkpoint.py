@@ -1,0 +1,153 @@
+"""Synthetic checkpoints are in the real repack's format, and the one loader reads them exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decodebench.checkpoint import CheckpointError, load_model, open_checkpoint
+from scripts.make_checkpoint import build, checkpoint_key
+from tests.conftest import make_cfg
+
+
+def numpy_dequant(packed: np.ndarray, scale: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """An independent reading of pack-quantized: nibble i of word j is level+8 of column 8j+i."""
+    rows, cols = (int(v) for v in shape)
+    words = packed.view(np.uint32)
+    nibbles = np.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(rows, -1)[:, :cols]
+    levels = nibbles.astype(np.float32) - 8.0
+    return levels * np.repeat(scale.astype(np.float32), 32, axis=1)
+
+
+def test_format_matches_the_real_repack(tiny):
+    config = json.loads((tiny.w4a16 / "config.json").read_text())
+    assert config["architectures"] == ["Gemma4ForCausalLM"] and config["model_type"] == "gemma4_text"
+    q = config["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
+    weights = q["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"], weights["strategy"]) == (
+        4,
+        32,
+        True,
+        "group",
+    )
+    assert q["ignore"] == ["lm_head"]
+    tensors = load_file(tiny.w4a16 / "model.safetensors")
+    assert all(name.startswith("model.language_model.") for name in tensors)
+    q_proj = "model.language_model.layers.0.self_attn.q_proj"
+    assert tensors[f"{q_proj}.weight_packed"].dtype == torch.int32
+    assert tensors[f"{q_proj}.weight_scale"].dtype == torch.bfloat16
+    assert "lm_head.weight" not in tensors and config["tie_word_embeddings"] is True
+    twin = json.loads((tiny.emb4 / "config.json").read_text())
+    assert twin["tie_word_embeddings"] is False
+    assert {"group_embed_tokens_per_layer", "group_embed_tokens", "group_lm_head"} <= set(
+        twin["quantization_config"]["config_groups"]
+    )
+    twin_tensors = load_file(tiny.emb4 / "model.safetensors")
+    assert twin_tensors["model.language_model.embed_tokens_per_layer.weight_scale"].dtype == torch.float16
+    assert "lm_head.weight_packed" in twin_tensors
+
+
+def test_loaded_weights_equal_the_dequantized_saved_ones(tiny):
+    saved = load_file(tiny.w4a16 / "model.safetensors")
+    model, _ = load_model(open_checkpoint(tiny.w4a16), torch.float32, torch.device("cpu"))
+    state = model.state_dict()
+    checked = 0
+    for name in saved:
+        if not name.endswith(".weight_packed"):
+            continue
+        module = name.removesuffix(".weight_packed")
+        expected = numpy_dequant(
+            saved[name].numpy(),
+            saved[f"{module}.weight_scale"].float().numpy(),
+            saved[f"{module}.weight_shape"].numpy(),
+        )
+        loaded = state["model." + module.removeprefix("model.language_model.") + ".weight"]
+        np.testing.assert_array_equal(loaded.numpy(), expected)
+        checked += 1
+    assert checked > 20
+    for name, tensor in saved.items():
+        if tensor.is_floating_point() and ".weight_" not in name:
+            assert torch.equal(state["model." + name.removeprefix("model.language_model.")], tensor.float())
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_twins_dequantize_to_the_same_model(tiny):
+    a, _ = load_model(open_checkpoint(tiny.w4a16), torch.float32, torch.device("cpu"))
+    b, _ = load_model(open_checkpoint(tiny.emb4), torch.float32, torch.device("cpu"))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_build_is_deterministic(tmp_path):
+    cfg = make_cfg("model.vocab_size=1024", "model.tokenizer_vocab=600").model
+    build(cfg, tmp_path / "a")
+    build(cfg, tmp_path / "b")
+    for twin in ("w4a16", "emb4"):
+        for name in ("model.safetensors", "config.json", "tokenizer.json"):
+            digest = [hashlib.sha256((tmp_path / r / twin / name).read_bytes()).hexdigest() for r in "ab"]
+            assert digest[0] == digest[1], f"{twin}/{name} differs between two builds"
+
+
+def test_shape_overrides_name_another_checkpoint():
+    base = make_cfg().model
+    other = make_cfg("model.num_hidden_layers=7", "model.sliding_window=8").model
+    assert checkpoint_key(base) != checkpoint_key(other)
+    assert checkpoint_key(base) == checkpoint_key(make_cfg().model)
+
+
+def _copy(tiny, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny.w4a16, dst)
+    return dst
+
+
+def test_missing_weight_is_an_error_not_a_random_init(tiny, tmp_path):
+    path = _copy(tiny, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.language_model.layers.1.mlp.up_proj.weight_packed"]
+    del tensors["model.language_model.layers.1.mlp.up_proj.weight_scale"]
+    del tensors["model.language_model.layers.1.mlp.up_proj.weight_shape"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="uninitialised.*layers.1.mlp.up_proj.weight"):
+        load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
+
+
+def test_corrupt_and_missing_checkpoints_say_what_and_why(tiny, tmp_path):
+    path = _copy(tiny, tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        open_checkpoint(tmp_path / "nowhere")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        open_checkpoint(path)
+
+
+def test_multimodal_config_loads_the_same_model(tiny, tmp_path):
+    """A repack whose config.json is the multimodal one (text_config nested) loads identically."""
+    path = _copy(tiny, tmp_path)
+    text = json.loads((path / "config.json").read_text())
+    quantization = text.pop("quantization_config")
+    multimodal = {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text,
+        "quantization_config": quantization,
+        "vision_config": None,
+    }
+    (path / "config.json").write_text(json.dumps(multimodal))
+    a, _ = load_model(open_checkpoint(tiny.w4a16), torch.float32, torch.device("cpu"))
+    b, _ = load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )

@@ -1,0 +1,125 @@
+"""Cells end to end: config errors, evidence files (ok, failed, skipped), schema, resume, sweeps."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from decodebench import evidence
+from decodebench.cli import run_cell
+from engines.generate import GenerateEngine
+from tests.conftest import REPO
+
+
+def only_file(folder: Path) -> Path:
+    files = sorted(folder.rglob("*.json"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_ok_cell_writes_valid_evidence(cell_cfg, tiny, tmp_path):
+    record = run_cell(cell_cfg("max_new_tokens=8", "repeats=2"))
+    assert record["status"] == "ok", record["reason"]
+    on_disk = evidence.read(only_file(tmp_path / "runs"))
+    evidence.validate(on_disk)
+    m = on_disk["measurements"]
+    assert m["decode_tok_s"]["n"] == 2 and len(m["decode_tok_s"]["values"]) == 2
+    assert m["decode_tok_s"]["min"] <= m["decode_tok_s"]["median"] <= m["decode_tok_s"]["max"]
+    assert m["memory_peak_rss"]["counter"] and m["memory_after_load"]["unit"] == "B"
+    assert len(on_disk["outputs"]["generated_ids"]) == 8
+    assert on_disk["model"]["synthetic"] is True and on_disk["model"]["kind"] == "synthetic"
+    assert on_disk["environment"]["packages"]["torch"]
+    assert on_disk["hardware"]["bandwidth_source"] == "measured"
+    assert not list((tmp_path / "runs").rglob("*.tmp"))
+
+
+def test_context_too_small_names_both_numbers(cell_cfg, tiny):
+    record = run_cell(cell_cfg("context=20", "max_new_tokens=8"))
+    assert record["status"] == "failed"
+    assert "context=20" in record["reason"] and "max_new_tokens=8" in record["reason"]
+    assert "prompt is 27 tokens" in record["reason"]
+
+
+def test_a_crash_writes_failure_evidence(cell_cfg, tiny, monkeypatch):
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("simulated crash in the decode loop")
+
+    monkeypatch.setattr(GenerateEngine, "generate", boom)
+    record = run_cell(cell_cfg("max_new_tokens=4"))
+    assert record["status"] == "failed" and "simulated crash" in record["reason"]
+    assert "Traceback" in record["traceback"]
+    evidence.validate(record)
+
+
+def test_engine_that_cannot_run_here_is_skipped_with_reason(cell_cfg, tiny, monkeypatch):
+    monkeypatch.setattr(GenerateEngine, "devices", ("tpu",))
+    record = run_cell(cell_cfg())
+    assert record["status"] == "skipped" and "runs on tpu" in record["reason"]
+
+
+def test_resume_skips_ok_cells_and_reruns_failed(cell_cfg, tiny, tmp_path, monkeypatch):
+    cfg = cell_cfg("max_new_tokens=4", "repeats=1", "resume=true")
+    assert run_cell(cfg)["status"] == "ok"
+    path = only_file(tmp_path / "runs")
+    before = path.stat().st_mtime_ns
+    assert run_cell(cfg) is None and path.stat().st_mtime_ns == before
+    record = evidence.read(path)
+    record["status"], record["reason"] = "failed", "earlier crash"
+    evidence.write_atomic(path, record)
+    assert run_cell(cfg)["status"] == "ok"
+
+
+def test_schema_rejects_malformed_records(cell_cfg, tiny):
+    record = run_cell(cell_cfg("max_new_tokens=4", "repeats=1"))
+    for breakage in (
+        lambda r: r.pop("status"),
+        lambda r: r.update(status="great"),
+        lambda r: r["measurements"].update(decode_tok_s={"median": 3.0}),
+        lambda r: r.update(status="failed", reason=None),
+    ):
+        broken = copy.deepcopy(record)
+        breakage(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            evidence.validate(broken)
+
+
+def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run.py", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_unknown_engine_lists_the_valid_ones():
+    proc = _run("engine=nope")
+    assert proc.returncode != 0
+    assert "Available options in 'engine'" in proc.stderr and "generate" in proc.stderr
+
+
+def test_multirun_goes_on_after_a_failing_cell(cache_dir, tiny, tmp_path):
+    proc = _run(
+        "-m",
+        "context=10,256",
+        "max_new_tokens=4",
+        "repeats=1",
+        "device=cpu",
+        "sweep=s",
+        f"cache_dir={cache_dir}",
+        f"evidence_dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    statuses = sorted(json.loads(p.read_text())["status"] for p in (tmp_path / "s").glob("*.json"))
+    assert statuses == ["failed", "ok"]
+    assert "1 failed, 1 ok" in proc.stdout
+
+
+def test_single_failed_cell_exits_non_zero(cache_dir, tiny, tmp_path):
+    proc = _run("context=10", "device=cpu", f"cache_dir={cache_dir}", f"evidence_dir={tmp_path}", "sweep=x")
+    assert proc.returncode == 1
+    assert "context=10 is too small" in proc.stderr
+    assert len(list((tmp_path / "x").glob("*.json"))) == 1

@@ -1,0 +1,42 @@
+"""Device selection rules and memory readings (the TPU and CUDA branches are exercised by the rules)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodebench.device import DeviceUnavailable, resolve_device, select_kind
+
+
+@pytest.mark.parametrize(
+    ("requested", "tpu", "cuda", "expected"),
+    [
+        ("auto", True, True, "tpu"),
+        ("auto", False, True, "cuda"),
+        ("auto", False, False, "cpu"),
+        ("cpu", True, True, "cpu"),
+        ("cuda", False, True, "cuda"),
+        ("tpu", True, False, "tpu"),
+    ],
+)
+def test_selection_rule(requested, tpu, cuda, expected):
+    assert select_kind(requested, has_tpu=tpu, has_cuda=cuda) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "message"), [("tpu", "no TPU"), ("cuda", "cuda.is_available"), ("gpu", "not one of")]
+)
+def test_absent_device_fails_clearly(requested, message):
+    with pytest.raises(DeviceUnavailable, match=message):
+        select_kind(requested, has_tpu=False, has_cuda=False)
+
+
+def test_cpu_memory_readings_name_their_counter():
+    device = resolve_device("cpu")
+    device.reset_peak()
+    now = device.memory_now()
+    assert now.bytes > 0 and "VmRSS" in now.counter
+    block = bytearray(64 * 2**20)  # 64 MiB touched: the peak must see it
+    block[::4096] = b"\x01" * len(block[::4096])
+    peak = device.peak_memory()["rss"]
+    assert "VmHWM" in peak.counter and peak.bytes >= now.bytes + 60 * 2**20
+    del block
