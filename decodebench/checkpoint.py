@@ -235,26 +235,20 @@ def load_model(
 ) -> tuple[Gemma4ForCausalLM, dict[str, PackedTable]]:
     """Builds ``Gemma4ForCausalLM`` on ``device`` from the checkpoint; errors on any missing weight.
 
-    Modules whose tables are kept packed are built empty-free: the caller must replace them (the
-    4-bit-table engine does) and their weights are not required.
+    Tables named in ``keep_packed`` get a zero-stride placeholder that holds no memory; the caller
+    replaces those modules with its own int4 lookup (the 4-bit-table engine does).
     """
     state, packed = text_state_dict(ckpt, dtype, keep_packed)
     config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
     if "lm_head.weight" in state:
         config.tie_word_embeddings = False
-    for module in packed:  # a placeholder the engine swaps for its own int4 module
-        state[f"{module}.weight"] = torch.empty(0, dtype=dtype)
+    for module, table in packed.items():  # zero-stride placeholder (no memory); the engine swaps the module
+        state[f"{module}.weight"] = torch.zeros((), dtype=dtype).expand(*table.shape)
     model, info = Gemma4ForCausalLM.from_pretrained(
-        None,
-        config=config,
-        state_dict=state,
-        dtype=dtype,
-        device_map=str(device),
-        output_loading_info=True,
-        ignore_mismatched_sizes=bool(packed),
+        None, config=config, state_dict=state, dtype=dtype, device_map=str(device), output_loading_info=True
     )
     missing = sorted(info["missing_keys"])
-    mismatched = [k for k, *_ in info["mismatched_keys"] if k.rpartition(".")[0] not in packed]
+    mismatched = [k for k, *_ in info["mismatched_keys"]]
     if missing or mismatched:
         raise CheckpointError(
             f"{ckpt.path}: the model would be left with uninitialised weights: "

@@ -19,7 +19,7 @@ from decodebench.config import ConfigError, validate
 from decodebench.device import DeviceUnavailable, resolve_device
 from decodebench.environment import capture
 from engines import engine_class
-from engines.base import DTYPES, EngineContext
+from engines.base import DTYPES, EngineContext, EngineLimit
 from experiments import EXPERIMENTS
 from experiments.common import Cell
 
@@ -75,7 +75,9 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
             record.update(status="skipped", reason=reason)
         else:
             engine = engine_cls(
-                EngineContext(cfg.engine, cfg.model, device, DTYPES[cfg.dtype], cfg.context, cfg.cache_dir)
+                EngineContext(
+                    cfg.engine, cfg.model, device, DTYPES[cfg.dtype], cfg.context, cfg.cache_dir, cfg.read_every
+                )
             )
             try:
                 result = experiment(Cell(cfg, device, engine))
@@ -90,6 +92,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
                 outputs=result.outputs,
                 timers=result.timers,
             )
+    except EngineLimit as exc:
+        record.update(status="skipped", reason=str(exc))
     except EXPECTED as exc:
         record.update(status="failed", reason=str(exc), traceback=traceback.format_exc())
     except Exception as exc:  # a crash is evidence too; the sweep goes on

@@ -31,6 +31,48 @@ class GenerateEngineConfig(EngineConfig):
 
 
 @dataclass
+class FuseEngineConfig(EngineConfig):
+    """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
+
+    name: str = "fuse"
+
+
+@dataclass
+class StaticEngineConfig(EngineConfig):
+    """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
+
+    name: str = "static"
+    mode: str = "eager"  # eager | fuse
+
+
+@dataclass
+class CompiledEngineConfig(EngineConfig):
+    """One compiled decode step over a StaticCache (article 003, Steps 7-8).
+
+    ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
+    """
+
+    name: str = "compiled"
+    backend: str = "auto"
+    fullgraph: bool = False
+
+
+@dataclass
+class Table4EngineConfig(CompiledEngineConfig):
+    """``compiled`` with the per-layer embedding table kept 4-bit (read from the -emb4 twin)."""
+
+    name: str = "table4"
+
+
+@dataclass
+class RingEngineConfig(CompiledEngineConfig):
+    """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs."""
+
+    name: str = "ring"
+    piece: int = 256
+
+
+@dataclass
 class ModelConfig:
     """A checkpoint: a synthetic one the project builds, or a real one from the hub or a path.
 
@@ -56,7 +98,7 @@ class ModelConfig:
     head_dim: int = 32
     global_head_dim: int = 64
     full_attention_every: int = 3
-    sliding_window: int = 16
+    sliding_window: int = 128
     num_kv_shared_layers: int = 2
     use_double_wide_mlp: bool = True
     hidden_size_per_layer_input: int = 32
@@ -123,6 +165,7 @@ class RunConfig:
     hardware: HardwareConfig = MISSING
     context: int = 256
     max_new_tokens: int = 64
+    read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
     repeats: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
@@ -134,7 +177,14 @@ class RunConfig:
     cache_dir: str = ".cache"
 
 
-ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {"generate": GenerateEngineConfig}
+ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {
+    "generate": GenerateEngineConfig,
+    "fuse": FuseEngineConfig,
+    "static": StaticEngineConfig,
+    "compiled": CompiledEngineConfig,
+    "table4": Table4EngineConfig,
+    "ring": RingEngineConfig,
+}
 EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {"decode": DecodeExperimentConfig}
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -156,6 +206,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"repeats={cfg.repeats} must be at least 1")
     if cfg.context < 1:
         raise ConfigError(f"context={cfg.context} must be positive")
+    if cfg.read_every < 0:
+        raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
     if cfg.model.tables not in ("bf16", "int4"):
         raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
 

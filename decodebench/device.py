@@ -185,3 +185,10 @@ def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 
         "method": f"torch copy_ of {nbytes} B float32, read+write bytes / seconds, best of {repeats}",
         "samples": samples,
     }
+
+
+def tpu_eager_mode(mode: str):
+    """A context manager that runs TorchTPU eager ops in ``mode`` ('fuse' = DEFER_AND_FUSE, 'eager' =
+    DEFER_NEVER) and restores the previous mode; torch_tpu 0.2.0's ``torch.tpu.set_eager_mode``."""
+    modes = {"fuse": torch.tpu.EagerMode.DEFER_AND_FUSE, "eager": torch.tpu.EagerMode.DEFER_NEVER}
+    return torch.tpu.set_eager_mode(modes[mode])

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from engines.base import Engine
-from engines.generate import GenerateEngine
+from engines.compiled import CompiledEngine
+from engines.generate import FuseEngine, GenerateEngine, StaticEngine
+from engines.table4 import Table4Engine
 
-ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (GenerateEngine,)}
+ENGINES: dict[str, type[Engine]] = {
+    cls.name: cls for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine)
+}
 
 
 def engine_class(name: str) -> type[Engine]:

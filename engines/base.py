@@ -7,7 +7,7 @@ Engines do no timing: the experiment puts ``device.sync()`` and the clock around
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -17,6 +17,10 @@ from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
 from decodebench.device import Device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class EngineLimit(RuntimeError):
+    """The engine cannot run this cell by design (recorded as ``skipped`` with this reason)."""
 
 
 @dataclass
@@ -37,7 +41,7 @@ class EngineContext:
     dtype: torch.dtype
     context: int
     cache_dir: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    read_every: int = 0
 
 
 class Engine(ABC):
@@ -76,6 +80,9 @@ class Engine(ABC):
         self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
     ) -> Generation:
         """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raises EngineLimit when this engine cannot hold the prompt plus its new tokens."""
 
     def describe(self) -> dict[str, Any]:
         """Engine-specific evidence (graph counts, cache layout, ...)."""

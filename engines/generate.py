@@ -1,16 +1,23 @@
-"""Hugging Face ``generate``: greedy, eager, Transformers' dynamic cache (the articles' baseline)."""
+"""Engines over Hugging Face ``generate``: the eager baseline, defer-and-fuse, and the StaticCache way."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StaticCache
 
 from decodebench.checkpoint import load_model
+from decodebench.device import Device, tpu_eager_mode
 from engines.base import Engine, Generation
 
 
 class GenerateEngine(Engine):
+    """``generate``: greedy, eager, Transformers' dynamic cache (the articles' baseline)."""
+
     name = "generate"
+    eager_mode: str | None = None  # TorchTPU eager mode to run generate under (None: the default)
 
     def load(self) -> None:
         assert self.checkpoint is not None
@@ -18,9 +25,9 @@ class GenerateEngine(Engine):
 
     def generation_config(self, max_new_tokens: int, return_logits: bool) -> GenerationConfig:
         """Greedy, exactly ``max_new_tokens``: no EOS stop, so every call does the same work."""
+        assert self.checkpoint is not None
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=None,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=self.checkpoint.config.pad_token_id,
@@ -29,16 +36,57 @@ class GenerateEngine(Engine):
             return_dict_in_generate=True,
         )
 
+    def cache(self) -> Any:
+        """The cache object handed to generate; None lets Transformers make a DynamicCache."""
+        return None
+
     @torch.inference_mode()
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
-    ) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=self.generation_config(max_new_tokens, return_logits),
-        )
+        mode = tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
+        with mode:
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=self.generation_config(max_new_tokens, return_logits),
+                cache=self.cache(),
+            )
         tokens = out.sequences[0, len(prompt_ids) :].tolist()
         logits = torch.cat([step.float().cpu() for step in out.logits]) if return_logits else None
         return Generation(tokens, logits)
+
+
+class FuseEngine(GenerateEngine):
+    """``generate`` under TorchTPU's defer-and-fuse mode (article 003, notebooks 02-03). TPU only."""
+
+    name = "fuse"
+    devices = ("tpu",)
+    eager_mode = "fuse"
+
+
+class StaticEngine(GenerateEngine):
+    """``generate`` over Transformers' own StaticCache of ``context`` slots; strict eager, or fused on a TPU."""
+
+    name = "static"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.eager_mode = {"eager": None, "fuse": "fuse"}[ctx.engine_cfg.mode]
+        self._cache: StaticCache | None = None
+
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        if run_cfg.engine.mode not in ("eager", "fuse"):
+            return f"engine.mode={run_cfg.engine.mode!r} must be eager or fuse"
+        if run_cfg.engine.mode == "fuse" and device.kind != "tpu":
+            return f"static with mode=fuse needs TorchTPU's defer-and-fuse mode, a TPU; this device is {device.kind}"
+        return super().unsupported_reason(device, run_cfg)
+
+    def cache(self) -> StaticCache:
+        if self._cache is None:
+            self._cache = StaticCache(config=self.model.config, max_cache_len=self.ctx.context)
+        self._cache.reset()
+        return self._cache
+
+    def describe(self) -> dict[str, Any]:
+        return {"cache": f"transformers StaticCache, max_cache_len={self.ctx.context}", "mode": self.ctx.engine_cfg.mode}

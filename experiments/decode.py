@@ -29,6 +29,7 @@ def run(cell: Cell) -> Result:
     engine.prepare()
     ids = prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)
     check_fits(cfg.context, len(ids), n)
+    engine.check_fits(len(ids), n)
     device.reset_peak()
     _, load_s = timed(device, engine.load)
     after_load = device.memory_now()

@@ -1,0 +1,103 @@
+"""What the step-by-step engines share: a compiled one-token step, graph counters, the decode loop.
+
+A stepping engine implements ``reset`` (empty its cache), ``prefill`` (read the prompt, return the
+first token and its logits) and ``step`` (one token in at a position, the next token out).  Tokens
+and positions stay on the device; ``read_every`` decides how often tokens are read to the host.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from decodebench.checkpoint import load_model
+from decodebench.device import Device
+from engines.base import Engine, Generation
+
+Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def compile_backend(requested: str, device: Device) -> str | None:
+    """``auto``: TorchTPU's ``tpu`` backend on a TPU, inductor on CUDA and CPU; ``none``: no compile."""
+    if requested == "none":
+        return None
+    if requested == "auto":
+        return "tpu" if device.kind == "tpu" else "inductor"
+    return requested
+
+
+def graph_counts() -> dict[str, int]:
+    """Graphs compiled and graph breaks so far, from TorchDynamo's own counters."""
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[1, V] logits -> [1, 1] token ids, on the device."""
+    return logits.argmax(-1, keepdim=True)
+
+
+class SteppingEngine(Engine):
+    """Prefill once, then a compiled one-token step per new token."""
+
+    keep_packed: tuple[str, ...] = ()
+
+    def load(self) -> None:
+        assert self.checkpoint is not None
+        counters.clear()
+        torch._dynamo.reset()
+        self.model, self.packed_tables = load_model(
+            self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device, keep_packed=self.keep_packed
+        )
+        self.build()
+        backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device)
+        self.backend = backend or "none"
+        self.compiled_step: Step = (
+            torch.compile(self.step, backend=backend, dynamic=False, fullgraph=self.ctx.engine_cfg.fullgraph)
+            if backend
+            else self.step
+        )
+
+    def build(self) -> None:
+        """Engine-specific set-up after the weights are on the device (caches, module swaps)."""
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reads the prompt; returns the first new token [1, 1] and its logits [1, V], on the device."""
+
+    @abstractmethod
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token [1, 1] at ``position`` [1] (device tensors) -> the next token [1, 1] and logits [1, V]."""
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+        self.reset()
+        token, logits = self.prefill(prompt_ids)
+        position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
+        pending, tokens, kept_logits = [token], [], [logits] if return_logits else []
+        read_every = self.ctx.read_every or max_new_tokens
+        for _ in range(max_new_tokens - 1):
+            token, logits = self.compiled_step(token, position)
+            position = position + 1
+            pending.append(token)
+            if return_logits:
+                kept_logits.append(logits)
+            if len(pending) >= read_every:  # the read-back: a device -> host copy that waits
+                tokens += torch.cat(pending).view(-1).tolist()
+                pending = []
+        if pending:
+            tokens += torch.cat(pending).view(-1).tolist()
+        stacked = torch.cat(kept_logits).float().cpu() if return_logits else None
+        return Generation(tokens, stacked)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": getattr(self, "backend", None), "read_every": self.ctx.read_every, **graph_counts()}
