@@ -76,7 +76,13 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         else:
             engine = engine_cls(
                 EngineContext(
-                    cfg.engine, cfg.model, device, DTYPES[cfg.dtype], cfg.context, cfg.cache_dir, cfg.read_every
+                    cfg.engine,
+                    cfg.model,
+                    device,
+                    DTYPES[cfg.dtype],
+                    cfg.context,
+                    cfg.cache_dir,
+                    cfg.read_every,
                 )
             )
             try:

@@ -128,6 +128,17 @@ class DecodeExperimentConfig(ExperimentConfig):
 
 
 @dataclass
+class ParityExperimentConfig(ExperimentConfig):
+    """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict)."""
+
+    name: str = "parity"
+    kl_mean: float = 1.0e-6
+    kl_max: float = 1.0e-5
+    wrap_piece: int = 256  # long prompt: the ring's sliding slots at this piece (window + piece) + wrap_extra
+    wrap_extra: int = 64
+
+
+@dataclass
 class HardwareConfig:
     """Facts about the machine that derived figures need, each with its source.
 
@@ -165,7 +176,9 @@ class RunConfig:
     hardware: HardwareConfig = MISSING
     context: int = 256
     max_new_tokens: int = 64
-    read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
+    read_every: int = (
+        0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
+    )
     repeats: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
@@ -185,7 +198,10 @@ ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {
     "table4": Table4EngineConfig,
     "ring": RingEngineConfig,
 }
-EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {"decode": DecodeExperimentConfig}
+EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {
+    "decode": DecodeExperimentConfig,
+    "parity": ParityExperimentConfig,
+}
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -207,7 +223,9 @@ def validate(cfg: Any) -> None:
     if cfg.context < 1:
         raise ConfigError(f"context={cfg.context} must be positive")
     if cfg.read_every < 0:
-        raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
+        raise ConfigError(
+            f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count"
+        )
     if cfg.model.tables not in ("bf16", "int4"):
         raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
 

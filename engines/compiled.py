@@ -63,12 +63,16 @@ class CompiledEngine(SteppingEngine):
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         positions = torch.arange(len(prompt_ids), device=ids.device)[None]
-        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
+        logits = self.model(
+            input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1
+        )
         last = logits.logits[:, -1]
         return greedy(last), last
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(input_ids=token, position_ids=position[None], cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=token, position_ids=position[None], cache=self.cache, use_cache=True, logits_to_keep=1
+        )
         logits = out.logits[:, -1]
         return greedy(logits), logits
 

@@ -55,14 +55,15 @@ class SteppingEngine(Engine):
         self.model, self.packed_tables = load_model(
             self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device, keep_packed=self.keep_packed
         )
+        self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
         self.build()
-        backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device)
-        self.backend = backend or "none"
-        self.compiled_step: Step = (
-            torch.compile(self.step, backend=backend, dynamic=False, fullgraph=self.ctx.engine_cfg.fullgraph)
-            if backend
-            else self.step
-        )
+        self.compiled_step: Step = self.compile(self.step)
+
+    def compile(self, fn: Step) -> Step:
+        """``fn`` compiled once for fixed shapes with the engine's backend (unchanged for backend=none)."""
+        if self.backend == "none":
+            return fn
+        return torch.compile(fn, backend=self.backend, dynamic=False, fullgraph=self.ctx.engine_cfg.fullgraph)
 
     def build(self) -> None:
         """Engine-specific set-up after the weights are on the device (caches, module swaps)."""
@@ -79,7 +80,9 @@ class SteppingEngine(Engine):
         """One token [1, 1] at ``position`` [1] (device tensors) -> the next token [1, 1] and logits [1, V]."""
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
+    ) -> Generation:
         self.reset()
         token, logits = self.prefill(prompt_ids)
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
@@ -100,4 +103,8 @@ class SteppingEngine(Engine):
         return Generation(tokens, stacked)
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": getattr(self, "backend", None), "read_every": self.ctx.read_every, **graph_counts()}
+        return {
+            "backend": getattr(self, "backend", None),
+            "read_every": self.ctx.read_every,
+            **graph_counts(),
+        }

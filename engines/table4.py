@@ -23,7 +23,9 @@ class Int4Embedding(nn.Module):
     ``forward(ids)`` gives the same values as the dequantized table times ``embed_scale``, in ``dtype``.
     """
 
-    def __init__(self, table: PackedTable, embed_scale: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, table: PackedTable, embed_scale: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.register_buffer("packed", table.packed.to(device))
         self.register_buffer("scale", table.scale.to(device))
@@ -55,4 +57,8 @@ class Table4Engine(CompiledEngine):
     def describe(self) -> dict[str, Any]:
         table = self.packed_tables.get(TABLE) if hasattr(self, "packed_tables") else None
         resident = None if table is None else table.packed.nbytes + table.scale.nbytes
-        return {**super().describe(), "per_layer_table": "int4 packed rows", "per_layer_table_bytes": resident}
+        return {
+            **super().describe(),
+            "per_layer_table": "int4 packed rows",
+            "per_layer_table_bytes": resident,
+        }

@@ -1,0 +1,199 @@
+"""``ring``: a ring KV cache for the full context (article 003, Step 10; shared/notes section 2.2).
+
+* Full-attention layers keep one slot per position up to ``context`` (rounded up to a piece).
+* Sliding layers keep a ring of ``window + piece`` slots (the window rounded up to a whole number of
+  pieces) and one record of the position each slot holds (-1: empty or padding); a piece of the
+  prompt always lands in contiguous slots and never overwrites a key the same piece still needs.
+* KV-shared layers read their source layer's buffers (the last cache-owning layer of their type).
+* Prompts are read in fixed ``piece``-token pieces (the last one padded), so the model compiles to
+  exactly two programs, one piece and one decode step, whatever the prompt length.
+
+Only attention is replaced (``Gemma4TextAttention.forward`` on each layer, as the article does); the
+projections, norms, RoPE, MLP and per-layer embeddings are Transformers' own modules.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+from engines.stepping import SteppingEngine, greedy
+
+NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
+
+
+class RingCache:
+    """K/V buffers for the cache-owning layers and the position records that mask them."""
+
+    def __init__(
+        self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.window = config.sliding_window
+        self.piece = piece
+        self.ring_slots = math.ceil(self.window / piece) * piece + piece
+        self.full_slots = math.ceil(context / piece) * piece
+        modes = config.kv_sharing_modes
+        self.source: dict[int, int] = {}
+        for i, layer_type in enumerate(config.layer_types):
+            if modes[i] != "reuse":
+                self.source[i] = i
+            else:  # the last cache-owning layer of the same type
+                self.source[i] = max(
+                    j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == layer_type
+                )
+        self.sliding = {i: t == "sliding_attention" for i, t in enumerate(config.layer_types)}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for i, src in self.source.items():
+            if src != i:
+                continue
+            head_dim = config.per_layer_config[i].head_dim
+            heads = config.per_layer_config[i].num_key_value_heads
+            slots = self.ring_slots if self.sliding[i] else self.full_slots
+            self.k[i] = torch.zeros(1, heads, slots, head_dim, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(1, heads, slots, head_dim, dtype=dtype, device=device)
+        self.ring_pos = torch.full((self.ring_slots,), -1, dtype=torch.long, device=device)
+        self.full_pos = torch.full((self.full_slots,), -1, dtype=torch.long, device=device)
+        self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes held by K/V buffers, from their shapes."""
+        return sum(t.nbytes for t in (*self.k.values(), *self.v.values()))
+
+    def layout(self) -> dict[str, Any]:
+        full = [i for i in self.k if not self.sliding[i]]
+        sliding = [i for i in self.k if self.sliding[i]]
+        return {
+            "full_layers": len(full),
+            "full_slots": self.full_slots,
+            "sliding_layers": len(sliding),
+            "ring_slots": self.ring_slots,
+            "shared_layers": sum(1 for i, s in self.source.items() if s != i),
+            "sliding_window": self.window,
+            "piece": self.piece,
+        }
+
+    def reset(self) -> None:
+        self.ring_pos.fill_(-1)
+        self.full_pos.fill_(-1)
+
+    def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Marks the slots this forward writes: ``positions`` [S] absolute, ``valid`` [S] (False: padding)."""
+        self.query_pos = positions
+        self.ring_slot = positions % self.ring_slots
+        recorded = torch.where(valid, positions, torch.full_like(positions, -1))
+        self.ring_pos.index_copy_(0, self.ring_slot, recorded)
+        self.full_pos.index_copy_(0, positions, recorded)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = self.ring_slot if self.sliding[layer] else self.query_pos
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V of the layer's source and the [S, slots] mask of keys each query may see."""
+        src = self.source[layer]
+        kpos = (self.ring_pos if self.sliding[layer] else self.full_pos)[None, :]
+        qpos = self.query_pos[:, None]
+        keep = (kpos >= 0) & (kpos <= qpos)
+        if self.sliding[layer]:
+            keep = keep & (qpos - kpos < self.window)
+        return self.k[src], self.v[src], keep
+
+
+def ring_attention(
+    self: Any,
+    ring: RingCache,
+    hidden_states: torch.Tensor,
+    position_embeddings: Any,
+    attention_mask: Any = None,
+    shared_kv_states: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``Gemma4TextAttention.forward`` over the ring: the module's own projections, norms and RoPE."""
+    batch, seq = hidden_states.shape[:2]
+    shape = (batch, seq, -1, self.head_dim)
+    cos, sin = position_embeddings
+    q = apply_rotary_pos_emb(self.q_norm(self.q_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
+    if not self.is_kv_shared_layer:
+        k = apply_rotary_pos_emb(
+            self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2
+        )
+        v = self.v_norm(self.v_proj(hidden_states).view(shape))
+        ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
+    keys, values, keep = ring.read(self.layer_idx)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=keep[None, None], scale=self.scaling, enable_gqa=True
+    )
+    return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
+
+
+class RingEngine(SteppingEngine):
+    name = "ring"
+
+    def build(self) -> None:
+        piece = self.ctx.engine_cfg.piece
+        if piece < 1:
+            raise ValueError(f"engine.piece={piece} must be positive")
+        self.ring = RingCache(
+            self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device
+        )
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            attn.forward = types.MethodType(lambda s, *a, **k: ring_attention(s, self.ring, *a, **k), attn)
+        device = self.ctx.device.torch_device
+        self.piece_offsets = torch.arange(piece, device=device)
+        self.compiled_piece = self.compile(self.read_piece)
+
+    def reset(self) -> None:
+        self.ring.reset()
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, row: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring."""
+        self.ring.begin(positions, valid)
+        out = self.model(
+            input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, logits_to_keep=row
+        )
+        return out.logits[:, -1]
+
+    def read_piece(
+        self, ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One piece: ids [1, piece] from position ``start`` with ``count`` real tokens (device scalars)."""
+        positions = start + self.piece_offsets
+        logits = self.forward(ids, positions, self.piece_offsets < count, (count - 1).view(1))
+        return greedy(logits), logits
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        piece, device = self.ring.piece, self.ctx.device.torch_device
+        pieces = math.ceil(len(prompt_ids) / piece)
+        if pieces * piece > self.ring.full_slots:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
+        padded = torch.tensor(prompt_ids + [0] * (pieces * piece - len(prompt_ids)), device=device).view(
+            pieces, piece
+        )
+        for k in tqdm(range(pieces), desc="reading prompt", unit="piece", disable=pieces < 16, leave=False):
+            count = min(piece, len(prompt_ids) - k * piece)
+            start = torch.tensor(k * piece, device=device)
+            token, logits = self.compiled_piece(padded[k : k + 1], start, torch.tensor(count, device=device))
+        return token, logits
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.forward(
+            token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position)
+        )
+        return greedy(logits), logits
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "ring"):
+            return {}
+        return {**super().describe(), "layout": self.ring.layout(), "cache_bytes": self.ring.nbytes()}

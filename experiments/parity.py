@@ -1,0 +1,131 @@
+"""Experiment ``parity``: each engine against Transformers' own Gemma 4 on the same checkpoint.
+
+The reference is ``Gemma4ForCausalLM`` loaded by Transformers' own compressed-tensors path (the
+``-ct-text`` twin), eager attention, dynamic cache, greedy.  For each prompt: top-5 ids at the
+first generated position, KL(reference || engine) per position up to the first differing token
+(after it the two condition on different text), greedy tokens equal N of N and the first
+differing position.  Prompts: the run's prompt, and one longer than the sliding window plus a ring
+piece, longer than the ring's sliding buffer so that it wraps around; a prompt that does not fit the context, or that the engine
+cannot hold, is recorded with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from decodebench.checkpoint import load_reference, resolve
+from decodebench.config import ConfigError, check_fits
+from decodebench.evidence import scalar
+from engines.base import EngineLimit
+from experiments.common import Cell, Result, prompt_ids
+
+LONG_SENTENCE = "The tide rolls over the reef, and the gulls count the waves until the evening light fades. "
+
+
+def long_prompt(tokenizer: Any, tokens: int) -> list[int]:
+    """BOS plus a fixed sentence repeated and cut to exactly ``tokens`` ids."""
+    body = tokenizer.encode(LONG_SENTENCE, add_special_tokens=False)
+    ids = [tokenizer.bos_token_id]
+    while len(ids) < tokens:
+        ids += body
+    return ids[:tokens]
+
+
+def kl_per_position(reference: torch.Tensor, engine: torch.Tensor) -> list[float]:
+    """KL(reference || engine) in nats per row of [n, V] logits, computed in float64."""
+    p = torch.log_softmax(reference.double(), dim=-1)
+    q = torch.log_softmax(engine.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0).tolist()
+
+
+def compare(ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], eng_logits: torch.Tensor,
+            bounds: Any) -> dict[str, Any]:  # fmt: skip
+    n = len(ref_ids)
+    first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
+    upto = n if first_diff is None else first_diff + 1
+    kl = kl_per_position(ref_logits[:upto], eng_logits[:upto])
+    verdict = first_diff is None and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
+    return {
+        "tokens_equal": n if first_diff is None else first_diff,
+        "new_tokens": n,
+        "first_difference": first_diff,
+        "kl_mean": sum(kl) / len(kl),
+        "kl_max": max(kl),
+        "kl_per_position": kl,
+        "top5_reference": ref_logits[0].topk(5).indices.tolist(),
+        "top5_engine": eng_logits[0].topk(5).indices.tolist(),
+        "reference_ids": ref_ids,
+        "engine_ids": eng_ids,
+        "verdict": "pass" if verdict else "fail",
+    }
+
+
+def reference_outputs(
+    cell: Cell, prompts: dict[str, list[int]], n: int
+) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """Greedy ids and logits of Transformers' own model for each prompt; the model is freed after."""
+    cfg = cell.cfg
+    ckpt = resolve(cfg.model, "bf16", cfg.cache_dir)
+    model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
+    model.config._attn_implementation = "eager"
+    greedy = GenerationConfig(
+        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=ckpt.config.pad_token_id,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    out = {}
+    with torch.inference_mode():
+        for name, ids in prompts.items():
+            x = torch.tensor([ids], device=cell.device.torch_device)
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=greedy)
+            out[name] = (
+                gen.sequences[0, len(ids) :].tolist(),
+                torch.cat([s.float().cpu() for s in gen.logits]),
+            )
+    del model
+    gc.collect()
+    return out
+
+
+def run(cell: Cell) -> Result:
+    cfg, engine = cell.cfg, cell.engine
+    n = cfg.max_new_tokens
+    engine.prepare()
+    candidates = {"prompt": prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)}
+    window, piece = engine.checkpoint.config.sliding_window, cfg.experiment.wrap_piece
+    ring_slots = math.ceil(window / piece) * piece + piece  # the ring engine's sliding buffer at that piece
+    candidates["long"] = long_prompt(engine.tokenizer, ring_slots + cfg.experiment.wrap_extra)
+    prompts: dict[str, list[int]] = {}
+    result = Result(timers={"parity": "not timed"})
+    for name, ids in candidates.items():
+        try:
+            check_fits(cfg.context, len(ids), n)
+            engine.check_fits(len(ids), n)
+            prompts[name] = ids
+        except (ConfigError, EngineLimit) as exc:
+            result.outputs[name] = {"status": "skipped", "reason": str(exc), "prompt_tokens": len(ids)}
+    if not prompts:
+        raise EngineLimit("no parity prompt fits: " + "; ".join(o["reason"] for o in result.outputs.values()))
+    reference = reference_outputs(cell, prompts, n)
+    engine.load()
+    for name, ids in prompts.items():
+        gen = engine.generate(ids, n, return_logits=True)
+        ref_ids, ref_logits = reference[name]
+        got = compare(ref_ids, ref_logits, gen.tokens, gen.logits, cfg.experiment)
+        result.outputs[name] = {"status": "ok", "prompt_tokens": len(ids), **got}
+        prefix = "parity" if name == "prompt" else f"parity_{name}"
+        result.measurements.update(
+            {
+                f"{prefix}_tokens_equal": scalar(got["tokens_equal"], "tok", of=n),
+                f"{prefix}_kl_mean": scalar(got["kl_mean"], "nats", bound=cfg.experiment.kl_mean),
+                f"{prefix}_kl_max": scalar(got["kl_max"], "nats", bound=cfg.experiment.kl_max),
+                f"{prefix}_prompt_tokens": scalar(len(ids), "tok"),
+            }
+        )
+    result.outputs["verdict"] = "pass" if all(o.get("verdict", "pass") == "pass" for o in result.outputs.values()
+                                              if isinstance(o, dict)) else "fail"  # fmt: skip
+    return result

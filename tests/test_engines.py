@@ -1,0 +1,98 @@
+"""The PyTorch engine family: every engine writes Transformers' greedy tokens on the same checkpoint.
+
+Compile paths run with the ``eager`` TorchDynamo backend here (graph capture without codegen), so
+the graph and program counts are real while the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodebench.cli import run_cell
+from decodebench.device import resolve_device
+from engines import ENGINES
+from engines.base import EngineContext
+from engines.table4 import Int4Embedding
+from tests.conftest import make_cfg
+
+COMPILED = ("engine.backend=eager",)
+
+
+def parity(cell_cfg, engine: str, *extra: str) -> dict:
+    overrides = [f"engine={engine}", "experiment=parity", *extra]
+    if engine in ("compiled", "table4", "ring"):
+        overrides += COMPILED
+    record = run_cell(cell_cfg(*overrides))
+    assert record["status"] == "ok", record["reason"]
+    return record
+
+
+@pytest.mark.parametrize("engine", ["generate", "static", "compiled", "table4", "ring"])
+def test_engine_writes_the_reference_tokens(cell_cfg, tiny, engine):
+    record = parity(cell_cfg, engine)
+    out = record["outputs"]["prompt"]
+    assert out["first_difference"] is None and out["tokens_equal"] == 32
+    assert out["kl_max"] < 1e-6 and out["top5_engine"] == out["top5_reference"]
+    assert record["outputs"]["verdict"] == "pass"
+    assert len(set(out["engine_ids"])) > 1
+
+
+def test_ring_wraps_around_and_keeps_two_programs(cell_cfg, tiny):
+    record = parity(
+        cell_cfg, "ring", "engine.piece=32", "experiment.wrap_piece=32", "experiment.wrap_extra=300"
+    )
+    long = record["outputs"]["long"]
+    layout = record["engine"]["layout"]
+    assert long["prompt_tokens"] > layout["ring_slots"] * 2, (
+        "the long prompt must wrap the ring more than once"
+    )
+    assert long["first_difference"] is None and long["kl_max"] < 1e-6
+    assert record["engine"]["graphs"] == 2 and record["engine"]["graph_breaks"] == 0
+
+
+def test_compiled_refuses_past_the_window(cell_cfg, tiny):
+    record = parity(cell_cfg, "compiled")
+    assert record["outputs"]["long"]["status"] == "skipped"
+    assert "sliding_window=128" in record["outputs"]["long"]["reason"]
+    decode = run_cell(cell_cfg("engine=compiled", *COMPILED, "max_new_tokens=120"))
+    assert decode["status"] == "skipped" and "use engine=ring" in decode["reason"]
+
+
+def test_compiled_step_compiles_once(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=compiled", *COMPILED, "max_new_tokens=8", "repeats=2"))
+    assert record["status"] == "ok", record["reason"]
+    assert record["engine"]["graphs"] == 1 and record["engine"]["graph_breaks"] == 0
+
+
+def test_fuse_is_skipped_off_tpu(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=fuse"))
+    assert record["status"] == "skipped" and "tpu" in record["reason"]
+    record = run_cell(cell_cfg("engine=static", "engine.mode=fuse"))
+    assert record["status"] == "skipped" and "defer-and-fuse" in record["reason"]
+
+
+@pytest.mark.parametrize("read_every", [1, 3, 0])
+def test_read_every_changes_when_tokens_are_read_not_which(cell_cfg, tiny, read_every):
+    record = run_cell(
+        cell_cfg("engine=ring", *COMPILED, "max_new_tokens=7", "repeats=1", f"read_every={read_every}")
+    )
+    reference = run_cell(cell_cfg("engine=generate", "max_new_tokens=7", "repeats=1"))
+    assert record["outputs"]["generated_ids"] == reference["outputs"]["generated_ids"]
+    assert record["engine"]["read_every"] == read_every
+
+
+def test_int4_lookup_equals_the_dequantized_table(tiny, cache_dir):
+    cfg = make_cfg(f"cache_dir={cache_dir}", "engine=table4", "dtype=float32")
+    ctx = EngineContext(cfg.engine, cfg.model, resolve_device("cpu"), torch.float32, 256, str(cache_dir))
+    table4 = ENGINES["table4"](ctx)
+    table4.prepare()
+    table4.load()
+    plain = ENGINES["generate"](ctx)
+    plain.prepare()
+    plain.load()
+    ids = torch.tensor([[0, 5, 4095, 17]])
+    lookup = table4.model.model.embed_tokens_per_layer
+    assert isinstance(lookup, Int4Embedding)
+    assert torch.equal(lookup(ids), plain.model.model.embed_tokens_per_layer(ids))
+    assert table4.model.model.embed_tokens_per_layer.packed.dtype == torch.int32
