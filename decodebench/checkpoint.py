@@ -90,9 +90,7 @@ def _download(hub_id: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"])
-        )
+        return Path(snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"]))
     except Exception as exc:  # offline, private, or missing: say which checkpoint and how to work around
         raise CheckpointError(
             f"could not fetch {hub_id} from the hub ({type(exc).__name__}: {exc}); "
@@ -128,9 +126,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     marker = path / "decodebench_synthetic.json"
     if marker.is_file():
         provenance.update(json.loads(marker.read_text()))
-    return Checkpoint(
-        path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance
-    )
+    return Checkpoint(path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -181,9 +177,7 @@ def unpack_weight(tensors: dict[str, torch.Tensor], stored: str) -> torch.Tensor
     return unpack_from_int32(tensors[f"{stored}.weight_packed"], 4, shape)
 
 
-def dequantize(
-    levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype
-) -> torch.Tensor:
+def dequantize(levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype) -> torch.Tensor:
     """w = level * scale[group], computed in float32 and cast once to ``dtype``."""
     if args.num_bits != 4 or not args.symmetric or args.strategy != "group":
         raise CheckpointError(f"unsupported weight quantization {args}")
@@ -276,9 +270,7 @@ def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -
     config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
     if ckpt.quantization:
         quantization = json.loads(json.dumps(ckpt.quantization))
-        quantization["ignore"] = [
-            re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]
-        ]
+        quantization["ignore"] = [re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]]
         config.quantization_config = quantization
     model, info = Gemma4ForCausalLM.from_pretrained(
         str(ckpt.path),

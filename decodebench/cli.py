@@ -64,9 +64,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         engine_cls = engine_class(cfg.engine.name)
         experiment = EXPERIMENTS.get(cfg.experiment.name)
         if experiment is None:
-            raise ConfigError(
-                f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}"
-            )
+            raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
         device = resolve_device(cfg.device.kind)
         record["environment"] = capture(device)
         record["hardware"] = hardware.resolve(cfg.hardware, device)
@@ -103,9 +101,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     except EXPECTED as exc:
         record.update(status="failed", reason=str(exc), traceback=traceback.format_exc())
     except Exception as exc:  # a crash is evidence too; the sweep goes on
-        record.update(
-            status="failed", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-        )
+        record.update(status="failed", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     evidence.validate(record)
     evidence.write_atomic(path, record)
     headline = _headline(record)

@@ -176,9 +176,7 @@ class RunConfig:
     hardware: HardwareConfig = MISSING
     context: int = 256
     max_new_tokens: int = 64
-    read_every: int = (
-        0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
-    )
+    read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
     repeats: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
@@ -215,17 +213,13 @@ def validate(cfg: Any) -> None:
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.max_new_tokens < 2:
-        raise ConfigError(
-            f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)"
-        )
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)")
     if cfg.repeats < 1:
         raise ConfigError(f"repeats={cfg.repeats} must be at least 1")
     if cfg.context < 1:
         raise ConfigError(f"context={cfg.context} must be positive")
     if cfg.read_every < 0:
-        raise ConfigError(
-            f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count"
-        )
+        raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
     if cfg.model.tables not in ("bf16", "int4"):
         raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
 

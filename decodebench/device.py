@@ -95,13 +95,9 @@ class Device:
 
     def memory_now(self) -> MemoryReading:
         if self.kind == "cuda":
-            return MemoryReading(
-                torch.cuda.memory_allocated(self.torch_device), "torch.cuda.memory_allocated"
-            )
+            return MemoryReading(torch.cuda.memory_allocated(self.torch_device), "torch.cuda.memory_allocated")
         if self.kind == "tpu":
-            return MemoryReading(
-                torch.accelerator.memory_allocated(), "torch.accelerator.memory_allocated (TPU HBM)"
-            )
+            return MemoryReading(torch.accelerator.memory_allocated(), "torch.accelerator.memory_allocated (TPU HBM)")
         return MemoryReading(_status_kib("VmRSS") * 1024, "/proc/self/status VmRSS (process resident set)")
 
     def peak_memory(self) -> dict[str, MemoryReading]:
@@ -122,9 +118,7 @@ class Device:
                     "torch.accelerator.max_memory_allocated (TPU HBM)",
                 )
             }
-        return {
-            "rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")
-        }
+        return {"rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")}
 
 
 def _status_kib(field: str) -> int:
@@ -141,9 +135,7 @@ def _reset_rss_peak() -> None:
 
 
 def resolve_device(requested: str) -> Device:
-    kind = select_kind(
-        requested, has_tpu=requested in ("auto", "tpu") and tpu_present(), has_cuda=cuda_present()
-    )
+    kind = select_kind(requested, has_tpu=requested in ("auto", "tpu") and tpu_present(), has_cuda=cuda_present())
     if kind == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
         return Device(kind, dev, torch.cuda.get_device_name(dev))

@@ -45,10 +45,7 @@ def _rustc() -> str | None:
     if shutil.which("rustc") is None:
         return None
     try:
-        return (
-            subprocess.run(["rustc", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
-            or None
-        )
+        return subprocess.run(["rustc", "--version"], capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 

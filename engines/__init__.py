@@ -9,8 +9,7 @@ from engines.ring import RingEngine
 from engines.table4 import Table4Engine
 
 ENGINES: dict[str, type[Engine]] = {
-    cls.name: cls
-    for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine, RingEngine)
+    cls.name: cls for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine, RingEngine)
 }
 
 

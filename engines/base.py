@@ -49,9 +49,7 @@ class Engine(ABC):
 
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
-    tables: ClassVar[str | None] = (
-        None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
-    )
+    tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
@@ -76,12 +74,10 @@ class Engine(ABC):
         """Reads the prepared checkpoint onto the device (the experiment times this)."""
 
     @abstractmethod
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
-    ) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
         """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:  # noqa: B027 - default: no limit
         """Raises EngineLimit when this engine cannot hold the prompt plus its new tokens."""
 
     def describe(self) -> dict[str, Any]:

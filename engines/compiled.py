@@ -51,10 +51,10 @@ class CompiledEngine(SteppingEngine):
         last = prompt_tokens + max_new_tokens
         if last > window:
             raise EngineLimit(
-                f"engine {self.name} holds at most sliding_window={window} positions in its sliding layers, "
-                f"and this cell needs {last} (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}): past the "
-                "window the StaticCache recipe writes beyond those buffers (it halted the TPU in article 003, "
-                "Step 12); use engine=ring"
+                f"engine {self.name} holds at most sliding_window={window} positions in its sliding "
+                f"layers, and this cell needs {last} (prompt {prompt_tokens} + max_new_tokens "
+                f"{max_new_tokens}): past the window the StaticCache recipe writes beyond those buffers "
+                "(it halted the TPU in article 003, Step 12); use engine=ring"
             )
 
     def reset(self) -> None:
@@ -63,9 +63,7 @@ class CompiledEngine(SteppingEngine):
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         positions = torch.arange(len(prompt_ids), device=ids.device)[None]
-        logits = self.model(
-            input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1
-        )
+        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
         last = logits.logits[:, -1]
         return greedy(last), last
 

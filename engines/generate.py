@@ -41,9 +41,7 @@ class GenerateEngine(Engine):
         return None
 
     @torch.inference_mode()
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
-    ) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         mode = tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
         with mode:

@@ -31,9 +31,7 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention buil
 class RingCache:
     """K/V buffers for the cache-owning layers and the position records that mask them."""
 
-    def __init__(
-        self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device) -> None:
         self.window = config.sliding_window
         self.piece = piece
         self.ring_slots = math.ceil(self.window / piece) * piece + piece
@@ -44,9 +42,7 @@ class RingCache:
             if modes[i] != "reuse":
                 self.source[i] = i
             else:  # the last cache-owning layer of the same type
-                self.source[i] = max(
-                    j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == layer_type
-                )
+                self.source[i] = max(j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == layer_type)
         self.sliding = {i: t == "sliding_attention" for i, t in enumerate(config.layer_types)}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
@@ -123,9 +119,7 @@ def ring_attention(
     cos, sin = position_embeddings
     q = apply_rotary_pos_emb(self.q_norm(self.q_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
     if not self.is_kv_shared_layer:
-        k = apply_rotary_pos_emb(
-            self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2
-        )
+        k = apply_rotary_pos_emb(self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
         v = self.v_norm(self.v_proj(hidden_states).view(shape))
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
     keys, values, keep = ring.read(self.layer_idx)
@@ -142,9 +136,7 @@ class RingEngine(SteppingEngine):
         piece = self.ctx.engine_cfg.piece
         if piece < 1:
             raise ValueError(f"engine.piece={piece} must be positive")
-        self.ring = RingCache(
-            self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device
-        )
+        self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             attn.forward = types.MethodType(lambda s, *a, **k: ring_attention(s, self.ring, *a, **k), attn)
@@ -160,9 +152,7 @@ class RingEngine(SteppingEngine):
     ) -> torch.Tensor:
         """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring."""
         self.ring.begin(positions, valid)
-        out = self.model(
-            input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, logits_to_keep=row
-        )
+        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, logits_to_keep=row)
         return out.logits[:, -1]
 
     def read_piece(
@@ -178,9 +168,7 @@ class RingEngine(SteppingEngine):
         pieces = math.ceil(len(prompt_ids) / piece)
         if pieces * piece > self.ring.full_slots:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
-        padded = torch.tensor(prompt_ids + [0] * (pieces * piece - len(prompt_ids)), device=device).view(
-            pieces, piece
-        )
+        padded = torch.tensor(prompt_ids + [0] * (pieces * piece - len(prompt_ids)), device=device).view(pieces, piece)
         for k in tqdm(range(pieces), desc="reading prompt", unit="piece", disable=pieces < 16, leave=False):
             count = min(piece, len(prompt_ids) - k * piece)
             start = torch.tensor(k * piece, device=device)
@@ -188,9 +176,7 @@ class RingEngine(SteppingEngine):
         return token, logits
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.forward(
-            token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position)
-        )
+        logits = self.forward(token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position))
         return greedy(logits), logits
 
     def describe(self) -> dict[str, Any]:

@@ -80,9 +80,7 @@ class SteppingEngine(Engine):
         """One token [1, 1] at ``position`` [1] (device tensors) -> the next token [1, 1] and logits [1, V]."""
 
     @torch.inference_mode()
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False
-    ) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
         self.reset()
         token, logits = self.prefill(prompt_ids)
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)

@@ -23,9 +23,7 @@ class Int4Embedding(nn.Module):
     ``forward(ids)`` gives the same values as the dequantized table times ``embed_scale``, in ``dtype``.
     """
 
-    def __init__(
-        self, table: PackedTable, embed_scale: float, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, table: PackedTable, embed_scale: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.register_buffer("packed", table.packed.to(device))
         self.register_buffer("scale", table.scale.to(device))

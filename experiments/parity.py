@@ -4,9 +4,9 @@ The reference is ``Gemma4ForCausalLM`` loaded by Transformers' own compressed-te
 ``-ct-text`` twin), eager attention, dynamic cache, greedy.  For each prompt: top-5 ids at the
 first generated position, KL(reference || engine) per position up to the first differing token
 (after it the two condition on different text), greedy tokens equal N of N and the first
-differing position.  Prompts: the run's prompt, and one longer than the sliding window plus a ring
-piece, longer than the ring's sliding buffer so that it wraps around; a prompt that does not fit the context, or that the engine
-cannot hold, is recorded with the reason.
+differing position.  Prompts: the run's prompt, and one longer than the ring's sliding buffer
+(the window plus a piece) so that the ring wraps around; a prompt that does not fit the context,
+or that the engine cannot hold, is recorded with the reason.
 """
 
 from __future__ import annotations
@@ -65,9 +65,7 @@ def compare(ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], en
     }
 
 
-def reference_outputs(
-    cell: Cell, prompts: dict[str, list[int]], n: int
-) -> dict[str, tuple[list[int], torch.Tensor]]:
+def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict[str, tuple[list[int], torch.Tensor]]:
     """Greedy ids and logits of Transformers' own model for each prompt; the model is freed after."""
     cfg = cell.cfg
     ckpt = resolve(cfg.model, "bf16", cfg.cache_dir)

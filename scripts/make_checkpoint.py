@@ -118,9 +118,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-def _grid(
-    rows: int, cols: int, gen: torch.Generator, chunk_rows: int = 8192
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(rows: int, cols: int, gen: torch.Generator, chunk_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4 levels in [-8, 7] (int8) and one scale per 32 columns with a 4-bit mantissa.
 
     Scales are m * 2**-11 with m in 8..15 (0.0039 to 0.0073), so level * scale is exact in bf16,
@@ -163,9 +161,7 @@ def _uniform_range(name: str) -> tuple[float, float]:
     return 0.8, 1.2
 
 
-def _packed(
-    name: str, levels: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+def _packed(name: str, levels: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized tensors for one weight."""
     rows, cols = levels.shape
     packed = torch.cat([pack_to_int32(levels[s : s + 16384], 4) for s in range(0, rows, 16384)])
@@ -177,9 +173,7 @@ def _packed(
 
 
 def _quantization_config(emb4: bool) -> dict[str, Any]:
-    groups = {
-        "group_0": QuantizationScheme(targets=["Linear"], weights=INT4_WEIGHTS, format="pack-quantized")
-    }
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=INT4_WEIGHTS, format="pack-quantized")}
     ignore = ["lm_head"]
     if emb4:
         for group, target in (
@@ -187,9 +181,7 @@ def _quantization_config(emb4: bool) -> dict[str, Any]:
             ("group_embed_tokens", r"re:.*\.embed_tokens$"),
             ("group_lm_head", r"re:^lm_head$"),
         ):
-            groups[group] = QuantizationScheme(
-                targets=[target], weights=INT4_WEIGHTS, format="pack-quantized"
-            )
+            groups[group] = QuantizationScheme(targets=[target], weights=INT4_WEIGHTS, format="pack-quantized")
         ignore = []
     qc = QuantizationConfig(
         config_groups=groups, ignore=ignore, format="pack-quantized", quantization_status="compressed"
@@ -218,9 +210,7 @@ def build(model_cfg: Any, out_root: Path) -> None:
     shape = shape_of(model_cfg)
     seed = model_cfg.seed
     tok_dir = out_root / "tokenizer"
-    special = build_tokenizer(
-        tok_dir, vocab_size=shape["vocab_size"], bpe_vocab=shape["tokenizer_vocab"], seed=seed
-    )
+    special = build_tokenizer(tok_dir, vocab_size=shape["vocab_size"], bpe_vocab=shape["tokenizer_vocab"], seed=seed)
     config = text_config(shape, special)
     with torch.device("meta"):
         skeleton = Gemma4ForCausalLM(config)

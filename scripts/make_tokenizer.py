@@ -55,10 +55,7 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
         "tr",
     ]
     vowels = ["a", "e", "i", "o", "u", "ea", "ou", "ai"]
-    words = [
-        "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3)))
-        for _ in range(3000)
-    ]
+    words = ["".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
     words += " ".join(_SEED_SENTENCES).replace(".", " ").replace("?", " ").replace(":", " ").split()
     text = list(_SEED_SENTENCES)
     for _ in range(lines):

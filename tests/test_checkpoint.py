@@ -148,6 +148,4 @@ def test_multimodal_config_loads_the_same_model(tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(multimodal))
     a, _ = load_model(open_checkpoint(tiny.w4a16), torch.float32, torch.device("cpu"))
     b, _ = load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
-    assert all(
-        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
-    )
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

@@ -90,9 +90,7 @@ def test_schema_rejects_malformed_records(cell_cfg, tiny):
 
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    return subprocess.run([sys.executable, "run.py", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def test_unknown_engine_lists_the_valid_ones():

@@ -39,14 +39,10 @@ def test_engine_writes_the_reference_tokens(cell_cfg, tiny, engine):
 
 
 def test_ring_wraps_around_and_keeps_two_programs(cell_cfg, tiny):
-    record = parity(
-        cell_cfg, "ring", "engine.piece=32", "experiment.wrap_piece=32", "experiment.wrap_extra=300"
-    )
+    record = parity(cell_cfg, "ring", "engine.piece=32", "experiment.wrap_piece=32", "experiment.wrap_extra=300")
     long = record["outputs"]["long"]
     layout = record["engine"]["layout"]
-    assert long["prompt_tokens"] > layout["ring_slots"] * 2, (
-        "the long prompt must wrap the ring more than once"
-    )
+    assert long["prompt_tokens"] > layout["ring_slots"] * 2, "the long prompt must wrap the ring more than once"
     assert long["first_difference"] is None and long["kl_max"] < 1e-6
     assert record["engine"]["graphs"] == 2 and record["engine"]["graph_breaks"] == 0
 
@@ -74,9 +70,7 @@ def test_fuse_is_skipped_off_tpu(cell_cfg, tiny):
 
 @pytest.mark.parametrize("read_every", [1, 3, 0])
 def test_read_every_changes_when_tokens_are_read_not_which(cell_cfg, tiny, read_every):
-    record = run_cell(
-        cell_cfg("engine=ring", *COMPILED, "max_new_tokens=7", "repeats=1", f"read_every={read_every}")
-    )
+    record = run_cell(cell_cfg("engine=ring", *COMPILED, "max_new_tokens=7", "repeats=1", f"read_every={read_every}"))
     reference = run_cell(cell_cfg("engine=generate", "max_new_tokens=7", "repeats=1"))
     assert record["outputs"]["generated_ids"] == reference["outputs"]["generated_ids"]
     assert record["engine"]["read_every"] == read_every
