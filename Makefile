@@ -18,15 +18,18 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+ENGINES ?= generate,static,compiled,table4,ring,fuse
+
 demo: setup
-	$(BIN)/python run.py -m engine=generate model=tiny sweep=$(SWEEP)
+	$(BIN)/python run.py -m engine=$(ENGINES) model=tiny sweep=$(SWEEP)
+	$(BIN)/python run.py -m engine=$(ENGINES) model=tiny experiment=parity sweep=$(SWEEP)
 	$(MAKE) --no-print-directory report
 
 report: setup
 	$(BIN)/python -m reports.render
 
 sweep: setup
-	$(BIN)/python run.py -m engine=generate model=tiny context=256,1024 sweep=$(SWEEP)
+	$(BIN)/python run.py -m engine=$(ENGINES) model=e2b-synthetic max_new_tokens=16 repeats=1 sweep=$(SWEEP)
 
 test: setup
 	$(BIN)/ruff check .

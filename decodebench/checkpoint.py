@@ -126,7 +126,32 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     marker = path / "decodebench_synthetic.json"
     if marker.is_file():
         provenance.update(json.loads(marker.read_text()))
+    provenance.setdefault("shape", shape_of_config(config))
     return Checkpoint(path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance)
+
+
+def shape_of_config(config: Gemma4TextConfig) -> dict[str, Any]:
+    """The shape fields decodebench's derived figures use, read from a checkpoint's text config."""
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    sliding = next((i for i, t in enumerate(config.layer_types) if t != "full_attention"), 0)
+    local = config.per_layer_config[sliding]  # head_dim and KV heads are per-layer attributes in Gemma 4
+    full_head = config.per_layer_config[full[0]].head_dim if full else local.head_dim
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": local.num_key_value_heads,
+        "head_dim": local.head_dim,
+        "global_head_dim": full_head,
+        "full_attention_every": full[1] - full[0] if len(full) > 1 else config.num_hidden_layers,
+        "sliding_window": config.sliding_window,
+        "num_kv_shared_layers": config.num_kv_shared_layers,
+        "use_double_wide_mlp": config.use_double_wide_mlp,
+        "hidden_size_per_layer_input": config.hidden_size_per_layer_input,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -128,6 +128,20 @@ class DecodeExperimentConfig(ExperimentConfig):
 
 
 @dataclass
+class RecallExperimentConfig(ExperimentConfig):
+    """Numbered records fill the context; the model is asked for one code (experiments/recall_prompts)."""
+
+    name: str = "recall"
+
+
+@dataclass
+class DefaultExperimentConfig(ExperimentConfig):
+    """decode (with memory), then the recall prompts that fit the context."""
+
+    name: str = "default"
+
+
+@dataclass
 class ParityExperimentConfig(ExperimentConfig):
     """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict)."""
 
@@ -164,7 +178,7 @@ class RunConfig:
             {"engine": "generate"},
             {"model": "tiny"},
             {"device": "auto"},
-            {"experiment": "decode"},
+            {"experiment": "default"},
             {"hardware": "auto"},
             "_self_",
         ]
@@ -197,7 +211,9 @@ ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {
     "ring": RingEngineConfig,
 }
 EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {
+    "default": DefaultExperimentConfig,
     "decode": DecodeExperimentConfig,
+    "recall": RecallExperimentConfig,
     "parity": ParityExperimentConfig,
 }
 

@@ -14,8 +14,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
+from decodebench.config import ConfigError
 from decodebench.device import Device
 
+CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a padded last prompt piece)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -55,6 +57,7 @@ class Engine(ABC):
         self.ctx = ctx
         self.checkpoint: Checkpoint | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.loaded = False  # set by the experiment that timed load()
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -67,6 +70,13 @@ class Engine(ABC):
         """Finds the checkpoint (building a synthetic one on first use) and its tokenizer; not timed."""
         tables = self.tables or self.ctx.model_cfg.tables
         self.checkpoint = resolve(self.ctx.model_cfg, tables, self.ctx.cache_dir)
+        limit = self.checkpoint.config.max_position_embeddings + CONTEXT_HEADROOM
+        if self.ctx.context > limit:
+            raise ConfigError(
+                f"context={self.ctx.context} is above what the model can address: max_position_embeddings="
+                f"{self.checkpoint.config.max_position_embeddings} plus {CONTEXT_HEADROOM} slots of headroom "
+                f"(one prompt piece, as in the article's 131,328 = 131,072 + 256) = {limit}"
+            )
         self.tokenizer = load_tokenizer(self.checkpoint)
 
     @abstractmethod

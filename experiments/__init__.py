@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from experiments import decode, parity
+from experiments import decode, parity, recall
 from experiments.common import Cell, Result
 
-EXPERIMENTS: dict[str, Callable[[Cell], Result]] = {"decode": decode.run, "parity": parity.run}
+
+def default(cell: Cell) -> Result:
+    """The default set: decode (with memory), then the recall prompts that fit the context."""
+    return recall.run(cell, decode.run(cell))
+
+
+EXPERIMENTS: dict[str, Callable[[Cell], Result]] = {
+    "default": default,
+    "decode": decode.run,
+    "recall": recall.run,
+    "parity": parity.run,
+}

@@ -14,11 +14,12 @@ from decodebench.evidence import samples, scalar
 from experiments.common import Cell, Result, answer, prompt_ids, timed
 
 
-def run(cell: Cell) -> Result:
+def run(cell: Cell, result: Result | None = None) -> Result:
     cfg, device, engine = cell.cfg, cell.device, cell.engine
     n = cfg.max_new_tokens
-    result = Result(
-        timers={
+    result = result or Result()
+    result.timers.update(
+        {
             "load_s": "engine.load(), device.sync() before and after",
             "first_call_s": "first generate(N), compile included, device.sync() before and after",
             "warm_1_s": "warm generate(1), device.sync() before and after",
@@ -32,6 +33,7 @@ def run(cell: Cell) -> Result:
     engine.check_fits(len(ids), n)
     device.reset_peak()
     _, load_s = timed(device, engine.load)
+    engine.loaded = True
     after_load = device.memory_now()
 
     first, first_s = timed(device, lambda: engine.generate(ids, n))

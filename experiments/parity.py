@@ -43,8 +43,9 @@ def kl_per_position(reference: torch.Tensor, engine: torch.Tensor) -> list[float
     return (p.exp() * (p - q)).sum(-1).clamp_min(0).tolist()
 
 
-def compare(ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], eng_logits: torch.Tensor,
-            bounds: Any) -> dict[str, Any]:  # fmt: skip
+def compare(
+    ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], eng_logits: torch.Tensor, bounds: Any
+) -> dict[str, Any]:
     n = len(ref_ids)
     first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
     upto = n if first_diff is None else first_diff + 1
@@ -72,9 +73,13 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
     model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
     model.config._attn_implementation = "eager"
     greedy = GenerationConfig(
-        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=ckpt.config.pad_token_id,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=ckpt.config.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     out = {}
     with torch.inference_mode():
         for name, ids in prompts.items():
@@ -124,6 +129,9 @@ def run(cell: Cell) -> Result:
                 f"{prefix}_prompt_tokens": scalar(len(ids), "tok"),
             }
         )
-    result.outputs["verdict"] = "pass" if all(o.get("verdict", "pass") == "pass" for o in result.outputs.values()
-                                              if isinstance(o, dict)) else "fail"  # fmt: skip
+    result.outputs["verdict"] = (
+        "pass"
+        if all(o.get("verdict", "pass") == "pass" for o in result.outputs.values() if isinstance(o, dict))
+        else "fail"
+    )
     return result

@@ -28,6 +28,9 @@ _SEED_SENTENCES = [
     "The ocean covers most of the planet and holds waves, tides, currents and deep blue water.",
     "Record 0412: code 583091. What is the code of record 0103? Answer with the six digits.",
     "What is a TPU? Two sentences.",
+    "Each record has a six-digit code.",
+    "Record 0001: code 123456.",
+    "What is the code of record 0001? Answer with the six digits only.",
 ]
 
 
@@ -57,7 +60,7 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     vowels = ["a", "e", "i", "o", "u", "ea", "ou", "ai"]
     words = ["".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
     words += " ".join(_SEED_SENTENCES).replace(".", " ").replace("?", " ").replace(":", " ").split()
-    text = list(_SEED_SENTENCES)
+    text = list(_SEED_SENTENCES) * 50
     for _ in range(lines):
         sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
         if rng.random() < 0.3:

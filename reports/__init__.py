@@ -1,0 +1,1 @@
+"""`make report`: evidence/arithmetic.txt and reports/REPORT.md, pure functions of the evidence."""

@@ -1,0 +1,253 @@
+"""Evidence files into pandas tables: validated, repeats pooled (median of raw samples, min, max, n).
+
+A file that cannot be read or does not follow the schema is named in ``warnings`` and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pandas as pd
+
+from decodebench import evidence
+
+# The settings that make two cells the same measurement; cells sharing them pool their raw samples.
+GROUP = [
+    "experiment",
+    "engine",
+    "engine_config",
+    "model",
+    "checkpoint",
+    "synthetic",
+    "device",
+    "device_name",
+    "context",
+    "dtype",
+    "read_every",
+    "new_tokens",
+]
+
+
+DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
+
+
+@dataclass
+class Evidence:
+    """Every readable evidence record, flattened: one row per file, plus what was skipped and why."""
+
+    cells: pd.DataFrame
+    records: dict[str, dict[str, Any]]
+    warnings: list[str] = field(default_factory=list)
+
+
+def load(folder: Path, root: Path) -> Evidence:
+    """Reads ``folder/**/*.json`` in name order; paths in the result are relative to ``root``."""
+    schema = evidence.load_schema()
+    rows, records, warnings = [], {}, []
+    for path in sorted(Path(folder).rglob("*.json")):
+        rel = _display(path, root, Path(folder))
+        try:
+            record = json.loads(path.read_text())
+            evidence.validate(record, schema)
+        except (OSError, ValueError) as exc:
+            warnings.append(f"{rel}: unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+            continue
+        except jsonschema.ValidationError as exc:
+            where = "/".join(map(str, exc.absolute_path)) or "top level"
+            warnings.append(f"{rel}: does not follow evidence/schema.json at {where} ({exc.message[:160]})")
+            continue
+        records[rel] = record
+        rows.append(_row(rel, record))
+    cells = pd.DataFrame(rows, columns=_COLUMNS)
+    return Evidence(cells=cells, records=records, warnings=warnings)
+
+
+def _display(path: Path, root: Path, folder: Path) -> str:
+    """A path as the report cites it: relative to the repository, or to the evidence folder's parent."""
+    path = path.resolve()
+    base = root.resolve() if path.is_relative_to(root.resolve()) else folder.resolve().parent
+    return path.relative_to(base).as_posix()
+
+
+_COLUMNS = [
+    "file",
+    "sweep",
+    "status",
+    "reason",
+    *GROUP,
+    "prompt_tokens",
+    "decode_values",
+    "first_call_s",
+    "load_s",
+    "memory_after_load",
+    "memory_peak",
+    "memory_counter",
+    "graphs",
+    "graph_breaks",
+    "parity_tokens_equal",
+    "parity_first_difference",
+    "parity_kl_mean",
+    "parity_kl_max",
+    "parity_top5_same",
+    "parity_verdict",
+    "weights",
+    "utc_time",
+    "cpu_model",
+    "torch",
+    "transformers",
+    "git_sha",
+    "git_dirty",
+    "price_usd_per_hour",
+    "bandwidth_gb_s",
+    "bandwidth_source",
+    "hardware",
+]
+
+
+def _value(measurements: dict[str, Any], name: str) -> Any:
+    m = measurements.get(name)
+    return None if m is None else m.get("value", m.get("median"))
+
+
+def _row(rel: str, r: dict[str, Any]) -> dict[str, Any]:
+    cfg, m, env, hw = r["config"], r["measurements"], r["environment"], r.get("hardware") or {}
+    peak = next((v for k, v in sorted(m.items()) if k.startswith("memory_peak_")), None)
+    parity = r["outputs"].get("prompt") if cfg["experiment"]["name"] == "parity" else None
+    parity = parity if isinstance(parity, dict) and parity.get("status") == "ok" else None
+    return {
+        "file": rel,
+        "sweep": r["sweep"],
+        "status": r["status"],
+        "reason": r["reason"],
+        "experiment": cfg["experiment"]["name"],
+        "engine": cfg["engine"]["name"],
+        "engine_config": " ".join(f"{k}={v}" for k, v in sorted(cfg["engine"].items()) if k != "name"),
+        "model": cfg["model"]["name"],
+        "checkpoint": r["model"].get("key") or r["model"].get("hub_id") or r["model"].get("config_sha256_16") or "",
+        "synthetic": bool(r["model"].get("synthetic")),
+        "device": env.get("device_kind") or cfg["device"]["kind"],
+        "device_name": env.get("device_name") or "",
+        "context": cfg["context"],
+        "dtype": cfg["dtype"],
+        "read_every": cfg.get("read_every", 0),
+        "prompt_tokens": _value(m, "prompt_tokens"),
+        "new_tokens": _value(m, "new_tokens"),
+        "decode_values": list(m["decode_tok_s"]["values"]) if "decode_tok_s" in m else [],
+        "first_call_s": _value(m, "first_call_s"),
+        "load_s": _value(m, "load_s"),
+        "memory_after_load": _value(m, "memory_after_load"),
+        "memory_peak": None if peak is None else peak["value"],
+        "memory_counter": None if peak is None else peak["counter"],
+        "graphs": r.get("engine", {}).get("graphs"),
+        "graph_breaks": r.get("engine", {}).get("graph_breaks"),
+        "parity_tokens_equal": None if parity is None else parity["tokens_equal"],
+        "parity_first_difference": None if parity is None else parity["first_difference"],
+        "parity_kl_mean": None if parity is None else parity["kl_mean"],
+        "parity_kl_max": None if parity is None else parity["kl_max"],
+        "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
+        "parity_verdict": r["outputs"].get("verdict"),
+        "weights": r["model"].get("weights"),
+        "utc_time": env.get("utc_time"),
+        "cpu_model": env.get("cpu_model"),
+        "torch": env.get("packages", {}).get("torch"),
+        "transformers": env.get("packages", {}).get("transformers"),
+        "git_sha": (env.get("git_sha") or "")[:12],
+        "git_dirty": env.get("git_dirty"),
+        "price_usd_per_hour": hw.get("price_usd_per_hour"),
+        "bandwidth_gb_s": hw.get("memory_bandwidth_gb_s"),
+        "bandwidth_source": hw.get("bandwidth_source"),
+        "hardware": hw.get("name"),
+    }
+
+
+def recall_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per recall prompt of every ok cell (article 003, Step 11 shape)."""
+    rows = []
+    for file, r in sorted(records.items()):
+        for item in r["outputs"].get("recall", []) if r["status"] == "ok" else []:
+            rows.append(
+                {
+                    "file": file,
+                    "engine": r["config"]["engine"]["name"],
+                    "model": r["config"]["model"]["name"],
+                    "device": r["environment"].get("device_kind"),
+                    "context": r["config"]["context"],
+                    **{
+                        k: item.get(k)
+                        for k in (
+                            "target_tokens",
+                            "status",
+                            "reason",
+                            "prompt_tokens",
+                            "read_s",
+                            "read_tok_s",
+                            "decode_tok_s",
+                            "answer_code",
+                            "found",
+                            "asked_record",
+                            "records",
+                            "true_code",
+                            "prompt_sha256",
+                        )
+                    },
+                }
+            )
+    columns = [
+        "file",
+        "engine",
+        "model",
+        "device",
+        "context",
+        "target_tokens",
+        "status",
+        "reason",
+        "prompt_tokens",
+        "read_s",
+        "read_tok_s",
+        "decode_tok_s",
+        "answer_code",
+        "found",
+        "asked_record",
+        "records",
+        "true_code",
+        "prompt_sha256",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per measurement group: raw decode samples pooled over its ok files (never averaged)."""
+    ok = cells[(cells.status == "ok") & cells.experiment.isin(DECODE_EXPERIMENTS)]
+    rows = []
+    for key, group in ok.groupby(GROUP, sort=True, dropna=False):
+        values = [v for vs in group.decode_values for v in vs]
+        last = group.sort_values("file").iloc[-1]
+        rows.append(
+            {
+                **dict(zip(GROUP, key, strict=True)),
+                "decode_median": statistics.median(values),
+                "decode_min": min(values),
+                "decode_max": max(values),
+                "n": len(values),
+                "files": list(group.file),
+                "first_call_s": statistics.median(group.first_call_s),
+                "load_s": statistics.median(group.load_s),
+                "memory_after_load": last.memory_after_load,
+                "memory_peak": last.memory_peak,
+                "memory_counter": last.memory_counter,
+                "graphs": last.graphs,
+                "graph_breaks": last.graph_breaks,
+                "prompt_tokens": last.prompt_tokens,
+                "price_usd_per_hour": last.price_usd_per_hour,
+                "bandwidth_gb_s": last.bandwidth_gb_s,
+                "bandwidth_source": last.bandwidth_source,
+                "hardware": last.hardware,
+                "weights": last.weights,
+            }
+        )
+    return pd.DataFrame(rows)

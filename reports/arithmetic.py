@@ -1,0 +1,316 @@
+"""Every derived figure as one entry: what it is, its formula, each input with value, unit and source
+file, and the result with units.  Measured entries read the aggregated evidence; published entries
+recompute the articles' own derived figures from ``evidence/published/``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+HEADER = """\
+# ARITHMETIC, not measurement: every derived figure decodebench reports, with its formula and inputs.
+# Inputs are cited by file: measured evidence (evidence/runs/...) or published data (evidence/published/...).
+# Rates are medians of raw samples pooled over the files named; a ratio of two engines divides two such medians.
+"""
+
+
+@dataclass
+class Input:
+    name: str
+    value: float
+    unit: str
+    source: str
+    note: str = ""
+
+
+@dataclass
+class Entry:
+    """One derived figure."""
+
+    key: str
+    what: str
+    formula: str
+    inputs: list[Input]
+    result: float | None
+    unit: str
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = [f"[{self.key}]", f"what:    {self.what}", f"formula: {self.formula}"]
+        for i, item in enumerate(self.inputs):
+            label = "inputs:  " if i == 0 else "         "
+            extra = f" ({item.note})" if item.note else ""
+            lines.append(f"{label}{item.name} = {fmt(item.value, item.unit)}{extra} <- {item.source}")
+        lines.append(f"result:  {fmt(self.result, self.unit)}")
+        lines += [f"note:    {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """Sensible rounding by unit: 4 significant figures, ratios to 2 decimals, money to cents."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"n/a {unit}".strip()
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit.startswith("USD"):
+        return f"{value:.2f} {unit}"
+    if unit == "%":
+        return f"{value:.1f} %"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,} {unit}".replace(",", "_")
+    return f"{value:.4g} {unit}"
+
+
+def render(entries: list[Entry]) -> str:
+    return HEADER + "\n" + "\n\n".join(e.text() for e in entries) + "\n"
+
+
+# ---------------------------------------------------------------- measured ----------------------------------------
+
+
+def _label(row: pd.Series) -> str:
+    engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
+    return (
+        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/read_every={row.read_every}{engine}"
+    )
+
+
+def _rate_input(name: str, row: pd.Series) -> Input:
+    return Input(name, row.decode_median, "tok/s", ", ".join(row.files), note=f"median of {row.n}")
+
+
+def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
+    """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype."""
+    entries = []
+    if decode.empty:
+        return entries
+    same = ["model", "checkpoint", "device", "device_name", "context", "dtype", "new_tokens"]
+    for _, group in decode.groupby(same, sort=True):
+        base = group[(group.engine == "generate") & (group.read_every == 0)]
+        if base.empty:
+            continue
+        base_row = base.iloc[0]
+        for _, row in group.sort_values(["engine", "read_every"]).iterrows():
+            if row.engine == "generate":
+                continue
+            entries.append(
+                Entry(
+                    key=f"decode-ratio/{row.engine}-vs-generate/{_label(row)}",
+                    what=f"decode rate of {row.engine} as a multiple of generate, same device and checkpoint",
+                    formula=f"{row.engine}_tok_s / generate_tok_s",
+                    inputs=[_rate_input(f"{row.engine}_tok_s", row), _rate_input("generate_tok_s", base_row)],
+                    result=row.decode_median / base_row.decode_median,
+                    unit="x",
+                )
+            )
+    return entries
+
+
+def jax_gap(decode: pd.DataFrame) -> list[Entry]:
+    """The fastest PyTorch way against the JAX engine, where a JAX engine was measured."""
+    entries = []
+    for (model, device), group in decode.groupby(["model", "device"], sort=True):
+        jax = group[group.engine == "jax"]
+        torch_ways = group[~group.engine.isin(["jax", "rust"])]
+        if jax.empty or torch_ways.empty:
+            continue
+        fastest, peer = torch_ways.loc[torch_ways.decode_median.idxmax()], jax.iloc[0]
+        entries.append(
+            Entry(
+                key=f"jax-vs-fastest-pytorch/{model}/{device}",
+                what="JAX engine decode rate as a multiple of the fastest PyTorch way",
+                formula="jax_tok_s / fastest_pytorch_tok_s",
+                inputs=[
+                    _rate_input("jax_tok_s", peer),
+                    _rate_input(f"fastest_pytorch_tok_s ({fastest.engine})", fastest),
+                ],
+                result=peer.decode_median / fastest.decode_median,
+                unit="x",
+            )
+        )
+    return entries
+
+
+def costs(decode: pd.DataFrame) -> list[Entry]:
+    """USD per million output tokens at one request at a time, from the hardware's price per hour."""
+    entries = []
+    for _, row in decode.iterrows():
+        price = row.price_usd_per_hour
+        key = f"usd-per-mtok/{row.engine}/{_label(row)}"
+        rate = _rate_input("rate", row)
+        if price is None or (isinstance(price, float) and math.isnan(price)):
+            no_price = f"hardware {row.hardware} has no price per hour: set hardware.price_usd_per_hour="
+            what = f"USD per million output tokens, {row.engine}"
+            entries.append(Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [no_price]))
+            continue
+        entries.append(
+            Entry(
+                key,
+                f"USD per million output tokens, {row.engine}, one request at a time",
+                "price / (rate * 3600) * 1e6",
+                [Input("price", price, "USD/h", f"conf/hardware/{row.hardware}.yaml (recorded in the evidence)"), rate],
+                price / (row.decode_median * 3600) * 1e6,
+                "USD/Mtok",
+                ["excludes disks, network and idle time; assumes the chip is busy decoding"],
+            )
+        )
+    return entries
+
+
+def bytes_per_token(shape: dict[str, Any], dtype_bytes: int, position: int) -> tuple[float, float, dict[str, float]]:
+    """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``.
+
+    Linears and lm_head are read whole each step; the two embedding tables are gathered (one row
+    each); each layer reads its source cache over min(position, window) sliding or position full slots.
+    """
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd, ghd, ple, vocab = (
+        shape["head_dim"],
+        shape["global_head_dim"],
+        shape["hidden_size_per_layer_input"],
+        shape["vocab_size"],
+    )
+    k, window, shared = shape["full_attention_every"], shape["sliding_window"], shape["num_kv_shared_layers"]
+    first_shared = layers - shared
+    linear = ple_proj = kv = 0.0
+    for i in range(layers):
+        full = (i + 1) % k == 0
+        d = ghd if full else hd
+        owns_kv = i < first_shared
+        linear += h * heads * d * 2 + (2 * h * kv_heads * d if owns_kv else 0)  # q, o (+ k, v)
+        wide = 2 if shape["use_double_wide_mlp"] and not owns_kv else 1
+        linear += 3 * h * inter * wide
+        ple_proj += 2 * h * ple
+        kv += 2 * kv_heads * d * dtype_bytes * (position if full else min(position, window))
+    linear += h * layers * ple  # per_layer_model_projection
+    parts = {
+        "linears": (linear + ple_proj) * dtype_bytes,
+        "lm_head": vocab * h * dtype_bytes,
+        "embedding rows": (h + layers * ple) * dtype_bytes,
+    }
+    return sum(parts.values()), kv, parts
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def roofline(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[Entry]:
+    """Bytes read per decoded token and the fraction of the memory-bandwidth roofline achieved."""
+    entries = []
+    for _, row in decode.iterrows():
+        shape = shapes.get(row.files[-1])
+        if shape is None or row.bandwidth_gb_s is None:
+            continue
+        position = int(row.prompt_tokens + row.new_tokens // 2)
+        weights, kv, parts = bytes_per_token(shape, DTYPE_BYTES[row["dtype"]], position)
+        per_token = weights + kv
+        label = _label(row)
+        entries.append(
+            Entry(
+                f"bytes-per-token/{row.engine}/{label}",
+                f"bytes read per decoded token by {row.engine} (weights at the engine's resident {row['dtype']} "
+                f"precision, KV at position {position})",
+                "linears + lm_head + embedding rows + KV(position)",
+                [Input(name, value, "B", f"model shape in {row.files[-1]}") for name, value in parts.items()]
+                + [
+                    Input(
+                        "KV(position)",
+                        kv,
+                        "B",
+                        "sum over layers of 2 * kv_heads * head_dim * bytes * "
+                        "(position if full else min(position, window))",
+                    )
+                ],
+                per_token,
+                "B",
+                ["norms (under 1 MB) are left out; engines that attend over every slot read more KV than this"],
+            )
+        )
+        achieved = per_token * row.decode_median / 1e9
+        entries.append(
+            Entry(
+                f"roofline/{row.engine}/{label}",
+                f"fraction of the memory-bandwidth roofline {row.engine} achieves",
+                "bytes_per_token * rate / bandwidth",
+                [
+                    Input("bytes_per_token", per_token, "B", f"[bytes-per-token/{row.engine}/{label}]"),
+                    _rate_input("rate", row),
+                    Input(
+                        "bandwidth",
+                        row.bandwidth_gb_s,
+                        "GB/s",
+                        f"{row.bandwidth_source} for {row.hardware}, recorded in {row.files[-1]}",
+                    ),
+                ],
+                100 * achieved / row.bandwidth_gb_s,
+                "%",
+                [f"achieved {achieved:.4g} GB/s"],
+            )
+        )
+    return entries
+
+
+# ---------------------------------------------------------------- published ---------------------------------------
+
+
+def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str, Any]]]) -> list[Entry]:
+    """The articles' own derived figures, recomputed from their published inputs with pandas.eval."""
+    entries = []
+    for name in sorted(derived):
+        table = figures[name].set_index("id")
+        for item in derived[name]:
+            source = f"evidence/published/{name}.yaml"
+            if not item.get("formula"):
+                entries.append(
+                    Entry(
+                        f"published/{name}/{item['id']}",
+                        item["statement"],
+                        "not recomputable",
+                        [],
+                        None,
+                        item["unit"],
+                        [
+                            item.get("note", "the article does not print the inputs"),
+                            f"stated: {item['stated']} {item['unit']}",
+                        ],
+                    )
+                )
+                continue
+            inputs, env = [], {}
+            for var, ref in sorted(item["inputs"].items()):
+                fig_id, _, end = ref.partition(".")
+                fig = table.loc[fig_id]
+                value = fig[end] if end else fig["value"]
+                env[var] = float(value)
+                inputs.append(Input(var, float(value), fig["unit"], f"{source}#{ref}"))
+            result = float(pd.eval(item["formula"], local_dict=env, engine="python"))
+            stated = float(item["stated"])
+            digits = max(0, -int(math.floor(math.log10(abs(stated) / 100)))) if stated else 2
+            agrees = round(result, min(digits, 6)) == round(stated, min(digits, 6)) or _rounds_to(result, stated)
+            notes = [f"stated: {stated:g} {item['unit']} ({'agrees' if agrees else 'differs'}); {item['source']}"]
+            if item.get("note"):
+                notes.append(item["note"])
+            entries.append(
+                Entry(
+                    f"published/{name}/{item['id']}",
+                    item["statement"],
+                    item["formula"],
+                    inputs,
+                    result,
+                    item["unit"],
+                    notes,
+                )
+            )
+    return entries
+
+
+def _rounds_to(result: float, stated: float) -> bool:
+    """True when ``result`` rounded to the decimals ``stated`` was printed with equals ``stated``."""
+    text = f"{stated:g}"
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return round(result, decimals) == stated

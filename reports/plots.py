@@ -1,0 +1,74 @@
+"""Plots beside the report (matplotlib, Agg, PNG without timestamps so re-rendering is byte-stable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+SAVE = {"dpi": 100, "metadata": {"Software": None}}
+
+
+def _label(row: pd.Series) -> str:
+    stream = f", read_every={row.read_every}" if row.read_every else ""
+    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}{stream})"
+
+
+def decode_rates(decode: pd.DataFrame, out: Path) -> str | None:
+    if decode.empty:
+        return None
+    rows = decode.sort_values(["model", "device", "decode_median"])
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    labels = [_label(r) for _, r in rows.iterrows()]
+    ax.barh(labels, rows.decode_median, color="#4477aa")
+    spread = [rows.decode_median - rows.decode_min, rows.decode_max - rows.decode_median]
+    ax.errorbar(rows.decode_median, labels, xerr=spread, fmt="none", ecolor="black", capsize=3)
+    ax.set_xlabel("decode tok/s (median, bars: min to max)")
+    ax.set_title("Decode rate per engine (measured)")
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name
+
+
+def decode_vs_context(decode: pd.DataFrame, out: Path) -> str | None:
+    multi = decode.groupby(["engine", "model", "device", "read_every"]).filter(lambda g: g.context.nunique() > 1)
+    if multi.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (engine, model, device, read_every), group in multi.groupby(["engine", "model", "device", "read_every"]):
+        group = group.sort_values("context")
+        ax.plot(group.context, group.decode_median, marker="o", label=f"{engine} ({model}, {device}, r={read_every})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (cache slots)")
+    ax.set_ylabel("decode tok/s (median)")
+    ax.set_title("Decode rate against context (measured)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name
+
+
+def memory(decode: pd.DataFrame, out: Path) -> str | None:
+    rows = decode.dropna(subset=["memory_after_load"])
+    if rows.empty:
+        return None
+    rows = rows.sort_values(["model", "device", "engine", "context"])
+    labels = [_label(r) for _, r in rows.iterrows()]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], rows.memory_peak / 1e9, height=0.4, label="peak", color="#cc6677")
+    ax.barh([i - 0.2 for i in y], rows.memory_after_load / 1e9, height=0.4, label="after load", color="#117733")
+    ax.set_yticks(list(y), labels)
+    ax.set_xlabel("GB (counter named in the report table)")
+    ax.set_title("Memory per engine (measured)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name

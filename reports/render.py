@@ -1,0 +1,140 @@
+"""``python -m reports.render``: evidence in, ``evidence/arithmetic.txt`` and ``reports/REPORT.md`` out.
+
+A pure function of the evidence and the published data: no model, no accelerator, no clock; the
+same files in give the same bytes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from reports import aggregate, arithmetic, plots
+from reports import published as published_data
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+RECALL_METRICS = ["prompt_tokens", "read_tok_s", "decode_tok_s", "answer_code", "found"]
+
+
+@dataclass
+class Outputs:
+    report: Path
+    arithmetic: Path
+    plots: list[Path]
+
+
+def gb(value: Any) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value / 1e9:.2f}"
+
+
+def num(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def sci(value: Any) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
+
+
+def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
+    """Published decode tok/s per decodebench engine, as printed, with the article and table."""
+    out: dict[str, list[str]] = {}
+    figures = pub.all_figures()
+    rates = figures[(figures.metric == "decode_tok_s") & figures.engine.notna()]
+    for _, row in rates.iterrows():
+        out.setdefault(row.engine, []).append(f"{published_data.span(row)} ({row.article}: {row.table})")
+    return {k: sorted(v, key=lambda text: ("Headline" not in text, text)) for k, v in out.items()}
+
+
+def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs | None:
+    """Renders both files (and the plots beside the report); None when there is no evidence at all."""
+    ev = aggregate.load(evidence_dir, REPO)
+    if not ev.records and not ev.warnings:
+        return None
+    pub = published_data.load(published_dir)
+    decode = aggregate.decode_table(ev.cells)
+    shapes = {f: r["model"].get("shape") for f, r in ev.records.items() if r["model"].get("shape")}
+    measured = [
+        *arithmetic.decode_ratios(decode),
+        *arithmetic.jax_gap(decode),
+        *arithmetic.costs(decode),
+        *arithmetic.roofline(decode, shapes),
+    ]
+    recomputed = arithmetic.published(pub.figures, pub.derived)
+    arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
+    arithmetic_out.write_text(arithmetic.render(measured + recomputed))
+
+    report.parent.mkdir(parents=True, exist_ok=True)
+    made = [
+        plots.decode_rates(decode, report.parent / "decode_tok_s.png"),
+        plots.decode_vs_context(decode, report.parent / "decode_vs_context.png"),
+        plots.memory(decode, report.parent / "memory.png"),
+    ]
+    ratios = {e.key: e for e in measured if e.key.startswith("decode-ratio/")}
+    roof = {e.key: e for e in measured if e.key.startswith("roofline/")}
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt)
+    cells = ev.cells
+    figures = pub.all_figures()
+    step11 = figures.table.str.contains("Step 11", na=False) & figures.metric.isin(RECALL_METRICS)
+    text = env.get_template("REPORT.md.j2").render(
+        cells=cells,
+        decode=decode,
+        recall=aggregate.recall_table(ev.records),
+        parity=cells[(cells.experiment == "parity") & (cells.status == "ok")].sort_values(["model", "engine", "file"]),
+        not_ok=cells[cells.status != "ok"].sort_values("file"),
+        environments=cells.drop_duplicates(
+            ["device", "device_name", "cpu_model", "torch", "transformers", "git_sha"]
+        ).sort_values(["device", "git_sha"]),
+        synthetic=bool(cells.synthetic.any()),
+        warnings=ev.warnings,
+        ratio=lambda row: ratios.get(f"decode-ratio/{row.engine}-vs-generate/{arithmetic._label(row)}"),
+        roofline=lambda row: roof.get(f"roofline/{row.engine}/{arithmetic._label(row)}"),
+        costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
+        published_rates=published_rates(pub),
+        published_derived=recomputed,
+        articles=pub.articles,
+        figures=figures,
+        published_recall=figures[step11],
+        plots=[p for p in made if p],
+        arithmetic_path=arithmetic_out.resolve().relative_to(REPO).as_posix()
+        if arithmetic_out.resolve().is_relative_to(REPO)
+        else str(arithmetic_out),
+    )
+    report.write_text(text)
+    return Outputs(report, arithmetic_out, [report.parent / p for p in made if p])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--evidence", type=Path, default=REPO / "evidence" / "runs")
+    parser.add_argument("--published", type=Path, default=REPO / "evidence" / "published")
+    parser.add_argument("--report", type=Path, default=REPO / "reports" / "REPORT.md")
+    parser.add_argument("--arithmetic", type=Path, default=REPO / "evidence" / "arithmetic.txt")
+    args = parser.parse_args(argv)
+    out = build(args.evidence, args.published, args.report, args.arithmetic)
+    if out is None:
+        print(f"nothing to report: no evidence files under {args.evidence} (run `make demo` or `python run.py`)")
+        return 0
+    print(f"report:     {out.report}\narithmetic: {out.arithmetic}")
+    for p in out.plots:
+        print(f"plot:       {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""`make report`: pure, deterministic, robust to bad files; the arithmetic checked by hand."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from decodebench.cli import run_cell
+from reports import arithmetic, published, render
+from tests.conftest import REPO
+
+PUBLISHED = REPO / "evidence" / "published"
+
+
+@pytest.fixture(scope="module")
+def evidence_dir(tmp_path_factory, cache_dir, tiny) -> Path:
+    """A small real sweep: two engines' decode cells, one parity cell, one skipped cell."""
+    from tests.conftest import make_cfg
+
+    runs = tmp_path_factory.mktemp("evidence")
+    common = [
+        f"cache_dir={cache_dir}",
+        f"evidence_dir={runs}",
+        "sweep=r",
+        "device=cpu",
+        "max_new_tokens=6",
+        "repeats=2",
+    ]
+    for overrides in (
+        ["engine=generate"],
+        ["engine=ring", "engine.backend=eager"],
+        ["engine=fuse"],
+        ["engine=ring", "engine.backend=eager", "experiment=parity", "max_new_tokens=6"],
+    ):
+        assert run_cell(make_cfg(*common, *overrides))["status"] in ("ok", "skipped")
+    return runs
+
+
+def _render(evidence: Path, out: Path) -> tuple[bytes, bytes]:
+    result = render.build(evidence, PUBLISHED, out / "REPORT.md", out / "arithmetic.txt")
+    assert result is not None
+    return (out / "REPORT.md").read_bytes(), (out / "arithmetic.txt").read_bytes()
+
+
+def test_rendering_twice_gives_the_same_bytes(evidence_dir, tmp_path):
+    first = _render(evidence_dir, tmp_path)
+    pngs = {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+    second = _render(evidence_dir, tmp_path)
+    assert first == second
+    assert pngs and pngs == {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+
+
+def test_report_sections_and_labels(evidence_dir, tmp_path):
+    report, arith = (b.decode() for b in _render(evidence_dir, tmp_path))
+    assert "Synthetic weights" in report and "published" in report
+    assert "| ring |" in report and "| generate |" in report
+    assert "engine fuse runs on tpu" in report  # skipped cells appear with their reason
+    assert "## Parity with Transformers" in report and "| pass |" in report
+    assert "[decode-ratio/ring-vs-generate/" in arith and "[roofline/ring/" in arith
+    assert "[published/rust-torchtpu/cost_rust_usd_per_mtok]" in arith
+
+
+def test_a_corrupt_file_is_named_and_the_rest_renders(evidence_dir, tmp_path):
+    bad = tmp_path / "runs"
+    shutil.copytree(evidence_dir, bad)
+    (bad / "r" / "broken.json").write_text("{ not json")
+    (bad / "r" / "wrong.json").write_text('{"schema_version": "1.0", "status": "great"}')
+    report, _ = (b.decode() for b in _render(bad, tmp_path / "out"))
+    assert "broken.json: unreadable" in report and "wrong.json: does not follow evidence/schema.json" in report
+    assert "| ring |" in report
+
+
+def test_empty_evidence_says_nothing_to_report(tmp_path, capsys):
+    assert (
+        render.main(
+            ["--evidence", str(tmp_path), "--report", str(tmp_path / "R.md"), "--arithmetic", str(tmp_path / "a.txt")]
+        )
+        == 0
+    )
+    assert "nothing to report" in capsys.readouterr().out
+    assert not (tmp_path / "R.md").exists()
+
+
+def row(**values) -> pd.Series:
+    base = {
+        "engine": "ring",
+        "engine_config": "",
+        "model": "m",
+        "checkpoint": "k",
+        "device": "tpu",
+        "device_name": "",
+        "context": 256,
+        "dtype": "bfloat16",
+        "read_every": 0,
+        "new_tokens": 64,
+        "decode_median": 50.0,
+        "n": 2,
+        "files": ["evidence/runs/x.json"],
+        "price_usd_per_hour": 0.60,
+        "hardware": "tpu-v5e-1",
+        "bandwidth_gb_s": 858.99,
+        "bandwidth_source": "facts file",
+        "prompt_tokens": 19,
+    }
+    return pd.Series({**base, **values})
+
+
+def test_cost_and_ratio_by_hand():
+    decode = pd.DataFrame([row(engine="generate", decode_median=5.0), row(engine="compiled", decode_median=32.5)])
+    ratio = arithmetic.decode_ratios(decode)
+    assert len(ratio) == 1 and ratio[0].result == pytest.approx(6.5)
+    cost = {e.key.split("/")[1]: e for e in arithmetic.costs(decode)}
+    # 0.60 USD/h / (32.5 tok/s * 3600 s/h) * 1e6 = 5.128... USD per million tokens
+    assert cost["compiled"].result == pytest.approx(5.1282, rel=1e-4)
+    assert "5.13 USD/Mtok" in cost["compiled"].text()
+
+
+def test_bytes_per_token_matches_the_e2b_reference_figures():
+    shape = yaml.safe_load((REPO / "conf" / "model" / "e2b-synthetic.yaml").read_text())
+    weights, kv, parts = arithmetic.bytes_per_token(shape, 2, 131072)
+    assert parts["linears"] == 1_876_819_968 * 2  # quantizable linears of E2B, in bf16 (notes 1.5)
+    assert parts["lm_head"] == 262144 * 1536 * 2
+    assert kv == 28672 * 512 + 14336 * 131072  # notes 1.6: 28,672 min(T,512) + 14,336 T bytes
+    assert math.isclose(weights / 1e9, 4.559, rel_tol=1e-3)
+
+
+def test_roofline_fraction_by_hand():
+    shape = yaml.safe_load((REPO / "conf" / "model" / "e2b-synthetic.yaml").read_text())
+    decode = pd.DataFrame([row(decode_median=50.0, prompt_tokens=96, new_tokens=64)])
+    entries = {e.key.split("/")[0]: e for e in arithmetic.roofline(decode, {"evidence/runs/x.json": shape})}
+    per_token = entries["bytes-per-token"].result
+    assert entries["roofline"].result == pytest.approx(100 * per_token * 50.0 / 1e9 / 858.99)
+
+
+def test_published_data_loads_and_recomputes_the_articles():
+    pub = published.load(PUBLISHED)
+    assert set(pub.figures) == {"torchtpu-colab", "rust-torchtpu"}
+    entries = {e.key: e for e in arithmetic.published(pub.figures, pub.derived)}
+    cost = entries["published/rust-torchtpu/cost_vllm_usd_per_mtok"]
+    assert cost.result == pytest.approx(0.60 / (144.1 * 3600) * 1e6) and "(agrees)" in cost.notes[0]
+    assert entries["published/rust-torchtpu/vllm_vs_rust"].result == pytest.approx(144.1 / 12.20)
+    figures = pub.all_figures()
+    assert (figures.unit.notna()).all() and (figures.source.str.len() > 0).all()
+
+
+def test_published_loader_rejects_bad_entries(tmp_path):
+    good = yaml.safe_load((PUBLISHED / "rust-torchtpu.yaml").read_text())
+    broken = dict(
+        good,
+        derived=[
+            {
+                "id": "x",
+                "inputs": {"a": "no_such_figure"},
+                "formula": "a",
+                "statement": "s",
+                "stated": 1,
+                "unit": "x",
+                "source": "s",
+            }
+        ],
+    )
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(broken))
+    with pytest.raises(published.PublishedDataError, match="unknown figure no_such_figure"):
+        published.load(tmp_path)
+    nameless = dict(good, derived=[], figures=[{**good["figures"][0], "source": None}])
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(nameless))
+    with pytest.raises(published.PublishedDataError, match="lacks source"):
+        published.load(tmp_path)
