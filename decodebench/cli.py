@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -89,6 +91,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
                 if engine.checkpoint is not None:
                     record["model"] = {**record["model"], **engine.checkpoint.provenance}
                 record["engine"] = engine.describe()
+                release(engine)
             record.update(
                 status="ok",
                 measurements=result.measurements,
@@ -109,6 +112,13 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     stream = sys.stdout if record["status"] != "failed" else sys.stderr
     print(f"[{record['status']}] {path}{headline}", file=stream, flush=True)
     return record
+
+
+def release(engine: Any) -> None:
+    """Frees a finished cell's model and compiled programs, so the next cell of a sweep starts clean."""
+    engine.__dict__.clear()
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def _headline(record: dict[str, Any]) -> str:

@@ -7,6 +7,8 @@ Engines do no timing: the experiment puts ``device.sync()`` and the clock around
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -89,6 +91,22 @@ class Engine(ABC):
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:  # noqa: B027 - default: no limit
         """Raises EngineLimit when this engine cannot hold the prompt plus its new tokens."""
+
+    streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
+
+    @contextmanager
+    def reading_every(self, k: int) -> Iterator[None]:
+        """Temporarily read tokens to the host every ``k`` tokens."""
+        saved = self.ctx.read_every
+        self.ctx.read_every = k
+        try:
+            yield
+        finally:
+            self.ctx.read_every = saved
+
+    def cache_bytes(self) -> int | None:
+        """Bytes of the KV cache computed from its buffers' shapes, when the engine owns one."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Engine-specific evidence (graph counts, cache layout, ...)."""

@@ -19,6 +19,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from engines.base import EngineLimit
+from engines.generate import static_cache_bytes
 from engines.stepping import SteppingEngine, greedy
 
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
@@ -73,6 +74,9 @@ class CompiledEngine(SteppingEngine):
         )
         logits = out.logits[:, -1]
         return greedy(logits), logits
+
+    def cache_bytes(self) -> int | None:
+        return static_cache_bytes(self.cache)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,12 @@ from decodebench.device import Device, tpu_eager_mode
 from engines.base import Engine, Generation
 
 
+def static_cache_bytes(cache: StaticCache | None) -> int | None:
+    """Bytes of a StaticCache's allocated K/V tensors (layers allocate at their first update)."""
+    tensors = [t for layer in (cache.layers if cache else []) for t in (layer.keys, layer.values) if t is not None]
+    return sum(t.nbytes for t in tensors) if tensors else None
+
+
 class GenerateEngine(Engine):
     """``generate``: greedy, eager, Transformers' dynamic cache (the articles' baseline)."""
 

@@ -179,6 +179,9 @@ class RingEngine(SteppingEngine):
         logits = self.forward(token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position))
         return greedy(logits), logits
 
+    def cache_bytes(self) -> int | None:
+        return self.ring.nbytes()
+
     def describe(self) -> dict[str, Any]:
         if not hasattr(self, "ring"):
             return {}

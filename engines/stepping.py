@@ -47,6 +47,7 @@ class SteppingEngine(Engine):
     """Prefill once, then a compiled one-token step per new token."""
 
     keep_packed: tuple[str, ...] = ()
+    streams = True
 
     def load(self) -> None:
         assert self.checkpoint is not None

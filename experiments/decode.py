@@ -5,6 +5,10 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 * ``first_call_s``: the first ``generate`` of N tokens, compilation included.
 * ``warm_1_s`` / ``warm_n_s``: warm calls that write exactly 1 and N tokens (EOS ignored).
 * ``decode_tok_s`` = (N - 1) / (T_N - T_1) for each repeat's pair, so the prompt read drops out.
+* ``decode_streamed_tok_s``: the same for engines that read tokens back themselves, with every
+  token read to the host as it is made (``read_every=1``), beside the run's own ``read_every``.
+* ``memory_with_cache``: after the first call, when every cache is allocated; ``cache_bytes_from_shape``
+  beside ``cache_bytes_measured`` (with cache minus after load, same counter).
 """
 
 from __future__ import annotations
@@ -12,6 +16,21 @@ from __future__ import annotations
 from decodebench.config import check_fits
 from decodebench.evidence import samples, scalar
 from experiments.common import Cell, Result, answer, prompt_ids, timed
+
+
+def warm_pairs(cell: Cell, ids: list[int], expected: list[int]) -> tuple[list[float], list[float], list[float]]:
+    """``repeats`` pairs of warm 1-token and N-token calls; the decode rate of each pair."""
+    device, engine, n = cell.device, cell.engine, cell.cfg.max_new_tokens
+    warm_1, warm_n, rates = [], [], []
+    for _ in range(cell.cfg.repeats):
+        _, t1 = timed(device, lambda: engine.generate(ids, 1))
+        gen, tn = timed(device, lambda: engine.generate(ids, n))
+        if gen.tokens != expected:
+            raise RuntimeError("a warm greedy call wrote different tokens from the first call")
+        warm_1.append(t1)
+        warm_n.append(tn)
+        rates.append((n - 1) / (tn - t1))
+    return warm_1, warm_n, rates
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
@@ -37,16 +56,22 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     after_load = device.memory_now()
 
     first, first_s = timed(device, lambda: engine.generate(ids, n))
-    warm_1, warm_n, rates = [], [], []
-    for _ in range(cfg.repeats):
-        _, t1 = timed(device, lambda: engine.generate(ids, 1))
-        gen, tn = timed(device, lambda: engine.generate(ids, n))
-        if gen.tokens != first.tokens:
-            raise RuntimeError("a warm greedy call wrote different tokens from the first call")
-        warm_1.append(t1)
-        warm_n.append(tn)
-        rates.append((n - 1) / (tn - t1))
+    with_cache = device.memory_now()
+    warm_1, warm_n, rates = warm_pairs(cell, ids, first.tokens)
+    if engine.streams and cfg.read_every != 1:  # the streaming tip: the same calls, each token read at once
+        with engine.reading_every(1):
+            _, _, streamed = warm_pairs(cell, ids, first.tokens)
+        result.measurements["decode_streamed_tok_s"] = samples(
+            streamed, "tok/s", formula="(N-1)/(T_N-T_1), read_every=1"
+        )
+        result.samples["decode_streamed_tok_s"] = streamed
     peaks = device.peak_memory()
+    cache = engine.cache_bytes()
+    if cache is not None:
+        result.measurements["cache_bytes_from_shape"] = scalar(cache, "B", method="sum of K/V buffer nbytes")
+        result.measurements["cache_bytes_measured"] = scalar(
+            with_cache.bytes - after_load.bytes, "B", counter=f"{with_cache.counter}, after first call minus after load"
+        )
 
     result.measurements.update(
         load_s=scalar(load_s, "s"),
@@ -57,6 +82,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         prompt_tokens=scalar(len(ids), "tok"),
         new_tokens=scalar(n, "tok"),
         memory_after_load=after_load.as_dict(),
+        memory_with_cache=with_cache.as_dict(),
         **{f"memory_peak_{name}": reading.as_dict() for name, reading in peaks.items()},
     )
     result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n, decode_tok_s=rates)
