@@ -9,16 +9,26 @@ SWEEP ?= demo
 
 .PHONY: setup demo test report sweep lint clean
 
+RUST_CRATE := engines/rust
+RUST_STAMP := $(VENV)/.rust-stamp
+RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RUST_CRATE)/Cargo.toml $(RUST_CRATE)/build.rs
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,rust]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The Rust engine: Debian's packaged crates (offline), then maturin against the venv's torch.
+$(RUST_STAMP): $(STAMP) $(RUST_SOURCES)
+	test -d /usr/share/cargo/registry/pyo3-0.17.3 || { apt-get update -qq && apt-get install -y -qq librust-pyo3-dev librust-cc-dev; }
+	cd $(RUST_CRATE) && VIRTUAL_ENV=$(CURDIR)/$(VENV) $(CURDIR)/$(BIN)/maturin develop --release --quiet
+	touch $(RUST_STAMP)
 
-ENGINES ?= generate,static,compiled,table4,ring,fuse
+setup: $(STAMP) $(RUST_STAMP)
+
+ENGINES ?= generate,static,compiled,table4,ring,rust,fuse
 
 demo: setup
 	$(BIN)/python run.py -m engine=$(ENGINES) model=tiny sweep=$(SWEEP)

@@ -73,6 +73,14 @@ class RingEngineConfig(CompiledEngineConfig):
 
 
 @dataclass
+class RustEngineConfig(EngineConfig):
+    """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces."""
+
+    name: str = "rust"
+    piece: int = 256
+
+
+@dataclass
 class ModelConfig:
     """A checkpoint: a synthetic one the project builds, or a real one from the hub or a path.
 
@@ -209,6 +217,7 @@ ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {
     "compiled": CompiledEngineConfig,
     "table4": Table4EngineConfig,
     "ring": RingEngineConfig,
+    "rust": RustEngineConfig,
 }
 EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {
     "default": DefaultExperimentConfig,

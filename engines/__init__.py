@@ -6,10 +6,12 @@ from engines.base import Engine
 from engines.compiled import CompiledEngine
 from engines.generate import FuseEngine, GenerateEngine, StaticEngine
 from engines.ring import RingEngine
+from engines.rust_engine import RustEngine
 from engines.table4 import Table4Engine
 
 ENGINES: dict[str, type[Engine]] = {
-    cls.name: cls for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine, RingEngine)
+    cls.name: cls
+    for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine, RingEngine, RustEngine)
 }
 
 

@@ -1,0 +1,130 @@
+// The ATen operations decodebench's Rust model uses, as extern "C" functions over owned handles.
+// Every entry point catches C++ exceptions: it returns null (or -1) and leaves the message for
+// `db_last_error`, so no exception ever unwinds into Rust.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/version.h>
+
+#include <exception>
+#include <string>
+
+using at::Tensor;
+using T = Tensor*;
+
+namespace {
+thread_local std::string last_error;
+
+template <class F>
+T guarded(F&& f) noexcept {
+  try {
+    return new Tensor(f());
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return nullptr;
+}
+
+template <class F>
+int status(F&& f) noexcept {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return -1;
+}
+
+at::IntArrayRef dims(const int64_t* d, int64_t n) { return at::IntArrayRef(d, static_cast<size_t>(n)); }
+}  // namespace
+
+extern "C" {
+const char* db_last_error() { return last_error.c_str(); }
+const char* db_torch_version() { return TORCH_VERSION; }
+void db_free(T t) { delete t; }
+
+// Python crossings (GIL held). Both directions share storage.
+T db_from_python(PyObject* o) {
+  if (!THPVariable_Check(o)) {
+    last_error = "expected a torch.Tensor";
+    return nullptr;
+  }
+  return guarded([&] { return THPVariable_Unpack(o); });
+}
+PyObject* db_to_python(T t) { return THPVariable_Wrap(*t); }
+
+// Arithmetic
+T db_linear(T x, T w) { return guarded([&] { return at::linear(*x, *w); }); }
+T db_add(T a, T b) { return guarded([&] { return at::add(*a, *b); }); }
+T db_sub(T a, T b) { return guarded([&] { return at::sub(*a, *b); }); }
+T db_mul(T a, T b) { return guarded([&] { return at::mul(*a, *b); }); }
+T db_mul_scalar(T a, double s) { return guarded([&] { return at::mul(*a, s); }); }
+T db_add_scalar(T a, double s) { return guarded([&] { return at::add(*a, s); }); }
+T db_add_i64(T a, int64_t s) { return guarded([&] { return at::add(*a, s); }); }
+T db_div_scalar(T a, double s) { return guarded([&] { return at::div(*a, s); }); }
+T db_to_device_of(T a, T like) { return guarded([&] { return a->to(like->device()); }); }
+T db_pow_scalar(T a, double e) { return guarded([&] { return at::pow(*a, e); }); }
+T db_mean_last(T a) { return guarded([&] { return a->mean(-1, true); }); }
+T db_neg(T a) { return guarded([&] { return at::neg(*a); }); }
+T db_tanh(T a) { return guarded([&] { return at::tanh(*a); }); }
+T db_gelu_tanh(T a) { return guarded([&] { return at::gelu(*a, "tanh"); }); }
+T db_cos(T a) { return guarded([&] { return at::cos(*a); }); }
+T db_sin(T a) { return guarded([&] { return at::sin(*a); }); }
+T db_remainder(T a, int64_t m) { return guarded([&] { return at::remainder(*a, m); }); }
+T db_argmax_last(T a) { return guarded([&] { return a->argmax(-1, true); }); }
+
+// Types and shapes
+T db_to_float(T a) { return guarded([&] { return a->to(at::kFloat); }); }
+T db_to_like(T a, T like) { return guarded([&] { return a->to(like->scalar_type()); }); }
+T db_reshape(T a, const int64_t* d, int64_t n) { return guarded([&] { return a->reshape(dims(d, n)); }); }
+T db_transpose(T a, int64_t d0, int64_t d1) { return guarded([&] { return a->transpose(d0, d1); }); }
+T db_narrow(T a, int64_t dim, int64_t start, int64_t len) { return guarded([&] { return a->narrow(dim, start, len); }); }
+T db_select(T a, int64_t dim, int64_t index) { return guarded([&] { return a->select(dim, index); }); }
+T db_unsqueeze(T a, int64_t dim) { return guarded([&] { return a->unsqueeze(dim); }); }
+T db_cat2(T a, T b, int64_t dim) { return guarded([&] { return at::cat({*a, *b}, dim); }); }
+
+// Indexing
+T db_index_select(T t, int64_t dim, T idx) { return guarded([&] { return at::index_select(*t, dim, *idx); }); }
+int db_index_copy_(T t, int64_t dim, T idx, T src) { return status([&] { t->index_copy_(dim, *idx, *src); }); }
+int db_fill_(T t, double v) { return status([&] { t->fill_(v); }); }
+
+// Comparisons and masks
+T db_ge_scalar(T a, double s) { return guarded([&] { return at::ge(*a, s); }); }
+T db_le(T a, T b) { return guarded([&] { return at::le(*a, *b); }); }
+T db_lt_scalar(T a, double s) { return guarded([&] { return at::lt(*a, s); }); }
+T db_logical_and(T a, T b) { return guarded([&] { return at::logical_and(*a, *b); }); }
+T db_where(T c, T a, T b) { return guarded([&] { return at::where(*c, *a, *b); }); }
+
+// Factories, on the device and with the dtype of `like` unless the name says int64
+T db_arange_i64(int64_t n, T like) { return guarded([&] { return at::arange(n, like->options().dtype(at::kLong)); }); }
+T db_full_i64(int64_t n, int64_t v, T like) { return guarded([&] { return at::full({n}, v, like->options().dtype(at::kLong)); }); }
+T db_zeros(const int64_t* d, int64_t n, T like) { return guarded([&] { return at::zeros(dims(d, n), like->options()); }); }
+T db_from_i64s(const int64_t* data, int64_t n, T like) {
+  return guarded([&] {
+    auto host = at::from_blob(const_cast<int64_t*>(data), {n}, at::TensorOptions().dtype(at::kLong)).clone();
+    return host.to(like->device());
+  });
+}
+// Reads an int64 tensor to the host (waits for the device): the only way tokens leave it.
+int db_to_i64s(T t, int64_t* out, int64_t n) {
+  return status([&] {
+    auto host = t->to(at::kCPU).to(at::kLong).contiguous().reshape({-1});
+    if (host.numel() != n) throw std::runtime_error("db_to_i64s: wrong length");
+    std::memcpy(out, host.data_ptr<int64_t>(), n * sizeof(int64_t));
+  });
+}
+int64_t db_numel(T t) { return t->numel(); }
+int64_t db_nbytes(T t) { return static_cast<int64_t>(t->nbytes()); }
+int64_t db_size(T t, int64_t dim) { return t->size(dim); }
+
+// Attention: softmax(q k^T * scale + mask) v, query heads grouped over the key/value heads.
+T db_sdpa(T q, T k, T v, T mask, double scale) {
+  return guarded([&] {
+    return at::scaled_dot_product_attention(*q, *k, *v, *mask, 0.0, false, scale, /*enable_gqa=*/true);
+  });
+}
+}

@@ -1,0 +1,164 @@
+//! Owned ATen tensors with PyTorch's method names, over the C++ shim in `csrc/aten.cpp`.
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_int, c_void};
+
+type Raw = *mut c_void;
+
+extern "C" {
+    fn db_last_error() -> *const c_char;
+    fn db_torch_version() -> *const c_char;
+    fn db_free(t: Raw);
+    pub fn db_from_python(o: *mut pyo3::ffi::PyObject) -> Raw;
+    pub fn db_to_python(t: Raw) -> *mut pyo3::ffi::PyObject;
+    fn db_linear(x: Raw, w: Raw) -> Raw;
+    fn db_add(a: Raw, b: Raw) -> Raw;
+    fn db_sub(a: Raw, b: Raw) -> Raw;
+    fn db_mul(a: Raw, b: Raw) -> Raw;
+    fn db_mul_scalar(a: Raw, s: f64) -> Raw;
+    fn db_add_scalar(a: Raw, s: f64) -> Raw;
+    fn db_add_i64(a: Raw, s: i64) -> Raw;
+    fn db_div_scalar(a: Raw, s: f64) -> Raw;
+    fn db_to_device_of(a: Raw, like: Raw) -> Raw;
+    fn db_pow_scalar(a: Raw, e: f64) -> Raw;
+    fn db_mean_last(a: Raw) -> Raw;
+    fn db_neg(a: Raw) -> Raw;
+    fn db_tanh(a: Raw) -> Raw;
+    fn db_gelu_tanh(a: Raw) -> Raw;
+    fn db_cos(a: Raw) -> Raw;
+    fn db_sin(a: Raw) -> Raw;
+    fn db_remainder(a: Raw, m: i64) -> Raw;
+    fn db_argmax_last(a: Raw) -> Raw;
+    fn db_to_float(a: Raw) -> Raw;
+    fn db_to_like(a: Raw, like: Raw) -> Raw;
+    fn db_reshape(a: Raw, d: *const i64, n: i64) -> Raw;
+    fn db_transpose(a: Raw, d0: i64, d1: i64) -> Raw;
+    fn db_narrow(a: Raw, dim: i64, start: i64, len: i64) -> Raw;
+    fn db_select(a: Raw, dim: i64, index: i64) -> Raw;
+    fn db_unsqueeze(a: Raw, dim: i64) -> Raw;
+    fn db_cat2(a: Raw, b: Raw, dim: i64) -> Raw;
+    fn db_index_select(t: Raw, dim: i64, idx: Raw) -> Raw;
+    fn db_index_copy_(t: Raw, dim: i64, idx: Raw, src: Raw) -> c_int;
+    fn db_fill_(t: Raw, v: f64) -> c_int;
+    fn db_ge_scalar(a: Raw, s: f64) -> Raw;
+    fn db_le(a: Raw, b: Raw) -> Raw;
+    fn db_lt_scalar(a: Raw, s: f64) -> Raw;
+    fn db_logical_and(a: Raw, b: Raw) -> Raw;
+    fn db_where(c: Raw, a: Raw, b: Raw) -> Raw;
+    fn db_arange_i64(n: i64, like: Raw) -> Raw;
+    fn db_full_i64(n: i64, v: i64, like: Raw) -> Raw;
+    fn db_zeros(d: *const i64, n: i64, like: Raw) -> Raw;
+    fn db_from_i64s(data: *const i64, n: i64, like: Raw) -> Raw;
+    fn db_to_i64s(t: Raw, out: *mut i64, n: i64) -> c_int;
+    fn db_numel(t: Raw) -> i64;
+    fn db_nbytes(t: Raw) -> i64;
+    fn db_size(t: Raw, dim: i64) -> i64;
+    fn db_sdpa(q: Raw, k: Raw, v: Raw, mask: Raw, scale: f64) -> Raw;
+}
+
+/// An error raised by ATen, with its message.
+#[derive(Debug, Clone)]
+pub struct AtenError(pub String);
+pub type Result<T> = std::result::Result<T, AtenError>;
+
+fn last_error() -> AtenError {
+    AtenError(unsafe { CStr::from_ptr(db_last_error()) }.to_string_lossy().into_owned())
+}
+
+pub fn torch_version() -> String {
+    unsafe { CStr::from_ptr(db_torch_version()) }.to_string_lossy().into_owned()
+}
+
+/// An owned `at::Tensor` handle.
+pub struct Tensor(Raw);
+
+// The handle is only ever used by the engine's one thread; `Send` lets the GIL be released around it.
+unsafe impl Send for Tensor {}
+unsafe impl Sync for Tensor {}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        unsafe { db_free(self.0) }
+    }
+}
+
+fn wrap(p: Raw) -> Result<Tensor> {
+    if p.is_null() {
+        Err(last_error())
+    } else {
+        Ok(Tensor(p))
+    }
+}
+
+fn check(code: c_int) -> Result<()> {
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(last_error())
+    }
+}
+
+impl Tensor {
+    pub fn raw(&self) -> Raw {
+        self.0
+    }
+    /// # Safety
+    /// `p` must be a handle returned by the shim, owned by nobody else.
+    pub unsafe fn from_raw(p: Raw) -> Result<Tensor> {
+        wrap(p)
+    }
+    pub fn linear(&self, w: &Tensor) -> Result<Tensor> { wrap(unsafe { db_linear(self.0, w.0) }) }
+    pub fn add(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_add(self.0, b.0) }) }
+    pub fn sub(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_sub(self.0, b.0) }) }
+    pub fn mul(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_mul(self.0, b.0) }) }
+    pub fn mul_scalar(&self, s: f64) -> Result<Tensor> { wrap(unsafe { db_mul_scalar(self.0, s) }) }
+    pub fn add_scalar(&self, s: f64) -> Result<Tensor> { wrap(unsafe { db_add_scalar(self.0, s) }) }
+    pub fn add_i64(&self, s: i64) -> Result<Tensor> { wrap(unsafe { db_add_i64(self.0, s) }) }
+    pub fn div_scalar(&self, s: f64) -> Result<Tensor> { wrap(unsafe { db_div_scalar(self.0, s) }) }
+    pub fn to_device_of(&self, like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_to_device_of(self.0, like.0) }) }
+    pub fn pow_scalar(&self, e: f64) -> Result<Tensor> { wrap(unsafe { db_pow_scalar(self.0, e) }) }
+    pub fn mean_last(&self) -> Result<Tensor> { wrap(unsafe { db_mean_last(self.0) }) }
+    pub fn neg(&self) -> Result<Tensor> { wrap(unsafe { db_neg(self.0) }) }
+    pub fn tanh(&self) -> Result<Tensor> { wrap(unsafe { db_tanh(self.0) }) }
+    pub fn gelu_tanh(&self) -> Result<Tensor> { wrap(unsafe { db_gelu_tanh(self.0) }) }
+    pub fn cos(&self) -> Result<Tensor> { wrap(unsafe { db_cos(self.0) }) }
+    pub fn sin(&self) -> Result<Tensor> { wrap(unsafe { db_sin(self.0) }) }
+    pub fn remainder(&self, m: i64) -> Result<Tensor> { wrap(unsafe { db_remainder(self.0, m) }) }
+    pub fn argmax_last(&self) -> Result<Tensor> { wrap(unsafe { db_argmax_last(self.0) }) }
+    pub fn to_float(&self) -> Result<Tensor> { wrap(unsafe { db_to_float(self.0) }) }
+    pub fn to_like(&self, like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_to_like(self.0, like.0) }) }
+    pub fn reshape(&self, d: &[i64]) -> Result<Tensor> { wrap(unsafe { db_reshape(self.0, d.as_ptr(), d.len() as i64) }) }
+    pub fn transpose(&self, d0: i64, d1: i64) -> Result<Tensor> { wrap(unsafe { db_transpose(self.0, d0, d1) }) }
+    pub fn narrow(&self, dim: i64, start: i64, len: i64) -> Result<Tensor> { wrap(unsafe { db_narrow(self.0, dim, start, len) }) }
+    pub fn select(&self, dim: i64, index: i64) -> Result<Tensor> { wrap(unsafe { db_select(self.0, dim, index) }) }
+    pub fn unsqueeze(&self, dim: i64) -> Result<Tensor> { wrap(unsafe { db_unsqueeze(self.0, dim) }) }
+    pub fn cat(&self, b: &Tensor, dim: i64) -> Result<Tensor> { wrap(unsafe { db_cat2(self.0, b.0, dim) }) }
+    pub fn index_select(&self, dim: i64, idx: &Tensor) -> Result<Tensor> { wrap(unsafe { db_index_select(self.0, dim, idx.0) }) }
+    pub fn index_copy_(&self, dim: i64, idx: &Tensor, src: &Tensor) -> Result<()> {
+        check(unsafe { db_index_copy_(self.0, dim, idx.0, src.0) })
+    }
+    pub fn fill_(&self, v: f64) -> Result<()> { check(unsafe { db_fill_(self.0, v) }) }
+    pub fn ge_scalar(&self, s: f64) -> Result<Tensor> { wrap(unsafe { db_ge_scalar(self.0, s) }) }
+    pub fn le(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_le(self.0, b.0) }) }
+    pub fn lt_scalar(&self, s: f64) -> Result<Tensor> { wrap(unsafe { db_lt_scalar(self.0, s) }) }
+    pub fn logical_and(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_logical_and(self.0, b.0) }) }
+    pub fn where_(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_where(self.0, a.0, b.0) }) }
+    pub fn arange_i64(n: i64, like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_arange_i64(n, like.0) }) }
+    pub fn full_i64(n: i64, v: i64, like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_full_i64(n, v, like.0) }) }
+    pub fn zeros(d: &[i64], like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_zeros(d.as_ptr(), d.len() as i64, like.0) }) }
+    pub fn from_i64s(data: &[i64], like: &Tensor) -> Result<Tensor> {
+        wrap(unsafe { db_from_i64s(data.as_ptr(), data.len() as i64, like.0) })
+    }
+    /// Reads an integer tensor to the host; waits for the device.
+    pub fn to_i64s(&self) -> Result<Vec<i64>> {
+        let n = self.numel();
+        let mut out = vec![0i64; n as usize];
+        check(unsafe { db_to_i64s(self.0, out.as_mut_ptr(), n) })?;
+        Ok(out)
+    }
+    pub fn numel(&self) -> i64 { unsafe { db_numel(self.0) } }
+    pub fn nbytes(&self) -> i64 { unsafe { db_nbytes(self.0) } }
+    pub fn size(&self, dim: i64) -> i64 { unsafe { db_size(self.0, dim) } }
+    pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+        wrap(unsafe { db_sdpa(q.0, k.0, v.0, mask.0, scale) })
+    }
+}

@@ -1,0 +1,353 @@
+//! Gemma 4 text in Rust over ATen: the layers, the ring cache, the prompt read in pieces and the
+//! greedy decode loop. The same design as decodebench's PyTorch `ring` engine (engines/ring.py):
+//! full-attention layers keep one slot per position, sliding layers a ring of window + piece slots
+//! with a record of the position each slot holds, KV-shared layers read their source layer.
+use std::collections::HashMap;
+
+use crate::aten::{AtenError, Result, Tensor};
+
+/// One decoder layer's geometry.
+pub struct LayerSpec {
+    pub sliding: bool,
+    pub head_dim: i64,
+    pub kv_heads: i64,
+    /// The layer whose K/V this one reads (itself when it owns a cache).
+    pub source: usize,
+}
+
+/// The model's shape and constants, read from the checkpoint's config by the Python side.
+pub struct Config {
+    pub layers: Vec<LayerSpec>,
+    pub hidden: i64,
+    pub ple_dim: i64,
+    pub window: i64,
+    pub piece: i64,
+    pub context: i64,
+    pub eps: f64,
+    pub softcap: Option<f64>,
+    pub embed_scale: f64,
+    pub ple_embed_scale: f64,
+    pub ple_projection_scale: f64,
+    pub ple_input_scale: f64,
+    pub rope_scaling_sliding: f64,
+    pub rope_scaling_full: f64,
+}
+
+struct Layer {
+    input_norm: Tensor,
+    post_attention_norm: Tensor,
+    pre_ff_norm: Tensor,
+    post_ff_norm: Tensor,
+    post_ple_norm: Tensor,
+    q_proj: Tensor,
+    q_norm: Tensor,
+    kv: Option<(Tensor, Tensor, Tensor)>, // k_proj, v_proj, k_norm for layers that own a cache
+    o_proj: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    ple_gate: Tensor,
+    ple_projection: Tensor,
+    scalar: Tensor,
+}
+
+/// K/V buffers of the cache-owning layers and the position records that mask them.
+struct Ring {
+    ring_slots: i64,
+    full_slots: i64,
+    k: HashMap<usize, Tensor>,
+    v: HashMap<usize, Tensor>,
+    ring_pos: Tensor,
+    full_pos: Tensor,
+}
+
+/// The per-forward state every layer shares: query positions and the slots they write.
+struct Step {
+    positions: Tensor,
+    ring_slot: Tensor,
+    masks: [Tensor; 2], // [full, sliding]: which slots each query may see
+    cos_sin: [(Tensor, Tensor); 2],
+}
+
+pub struct Model {
+    pub cfg: Config,
+    like: Tensor,
+    embed: Tensor,
+    ple_table: Tensor,
+    ple_model_projection: Tensor,
+    ple_projection_norm: Tensor,
+    final_norm: Tensor,
+    lm_head: Tensor,
+    inv_freq: [Tensor; 2], // [full, sliding]
+    layers: Vec<Layer>,
+    ring: Ring,
+}
+
+pub enum Finish {
+    Length,
+    Stop,
+    Cancelled,
+}
+
+impl Finish {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Finish::Length => "length",
+            Finish::Stop => "stop",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+fn err(message: String) -> AtenError {
+    AtenError(message)
+}
+
+impl Model {
+    /// Builds the model from its weights (names as Transformers' Gemma4ForCausalLM has them); every
+    /// weight is moved to the device of `like`.
+    pub fn new(cfg: Config, mut weights: HashMap<String, Tensor>, like: Tensor) -> Result<Model> {
+        let mut take = |name: &str| -> Result<Tensor> {
+            let t = weights.remove(name).ok_or_else(|| err(format!("missing weight {name}")))?;
+            t.to_device_of(&like)
+        };
+        let embed = take("model.embed_tokens.weight")?;
+        let lm_head = match take("lm_head.weight") {
+            Ok(t) => t,
+            Err(_) => embed.narrow(0, 0, embed.size(0))?, // tied
+        };
+        let ple_table = take("model.embed_tokens_per_layer.weight")?;
+        let ple_model_projection = take("model.per_layer_model_projection.weight")?;
+        let ple_projection_norm = take("model.per_layer_projection_norm.weight")?;
+        let final_norm = take("model.norm.weight")?;
+        let inv_freq = [take("rope.full_attention.inv_freq")?, take("rope.sliding_attention.inv_freq")?];
+        let mut layers = Vec::new();
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}.");
+            let mut w = |name: &str| take(&format!("{p}{name}"));
+            let kv = if spec.source == i {
+                Some((w("self_attn.k_proj.weight")?, w("self_attn.v_proj.weight")?, w("self_attn.k_norm.weight")?))
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm: w("input_layernorm.weight")?,
+                post_attention_norm: w("post_attention_layernorm.weight")?,
+                pre_ff_norm: w("pre_feedforward_layernorm.weight")?,
+                post_ff_norm: w("post_feedforward_layernorm.weight")?,
+                post_ple_norm: w("post_per_layer_input_norm.weight")?,
+                q_proj: w("self_attn.q_proj.weight")?,
+                q_norm: w("self_attn.q_norm.weight")?,
+                kv,
+                o_proj: w("self_attn.o_proj.weight")?,
+                gate: w("mlp.gate_proj.weight")?,
+                up: w("mlp.up_proj.weight")?,
+                down: w("mlp.down_proj.weight")?,
+                ple_gate: w("per_layer_input_gate.weight")?,
+                ple_projection: w("per_layer_projection.weight")?,
+                scalar: w("layer_scalar")?,
+            });
+        }
+        let piece = cfg.piece;
+        let ring_slots = (cfg.window + piece - 1) / piece * piece + piece;
+        let full_slots = (cfg.context + piece - 1) / piece * piece;
+        let (mut k, mut v) = (HashMap::new(), HashMap::new());
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            if spec.source == i {
+                let slots = if spec.sliding { ring_slots } else { full_slots };
+                k.insert(i, Tensor::zeros(&[1, spec.kv_heads, slots, spec.head_dim], &like)?);
+                v.insert(i, Tensor::zeros(&[1, spec.kv_heads, slots, spec.head_dim], &like)?);
+            }
+        }
+        let ring = Ring {
+            ring_slots,
+            full_slots,
+            k,
+            v,
+            ring_pos: Tensor::full_i64(ring_slots, -1, &like)?,
+            full_pos: Tensor::full_i64(full_slots, -1, &like)?,
+        };
+        Ok(Model {
+            cfg,
+            like,
+            embed,
+            ple_table,
+            ple_model_projection,
+            ple_projection_norm,
+            final_norm,
+            lm_head,
+            inv_freq,
+            layers,
+            ring,
+        })
+    }
+
+    pub fn layout(&self) -> (i64, i64, usize, usize, usize) {
+        let owners: Vec<&LayerSpec> = self.cfg.layers.iter().enumerate().filter(|(i, s)| s.source == *i).map(|(_, s)| s).collect();
+        let sliding = owners.iter().filter(|s| s.sliding).count();
+        (self.ring.full_slots, self.ring.ring_slots, owners.len() - sliding, sliding, self.cfg.layers.len() - owners.len())
+    }
+
+    pub fn cache_bytes(&self) -> i64 {
+        self.ring.k.values().chain(self.ring.v.values()).map(|t| t.nbytes()).sum()
+    }
+
+    fn rms(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        let xf = x.to_float()?;
+        let normed = xf.mul(&xf.pow_scalar(2.0)?.mean_last()?.add_scalar(self.cfg.eps)?.pow_scalar(-0.5)?)?;
+        let out = match weight {
+            Some(w) => normed.mul(&w.to_float()?)?,
+            None => normed,
+        };
+        out.to_like(x)
+    }
+
+    fn rope(&self, x: &Tensor, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
+        let d = x.size(-1);
+        let (x1, x2) = (x.narrow(-1, 0, d / 2)?, x.narrow(-1, d / 2, d / 2)?);
+        let rotated = x2.neg()?.cat(&x1, -1)?;
+        x.mul(&cos_sin.0)?.add(&rotated.mul(&cos_sin.1)?)
+    }
+
+    fn begin(&mut self, positions: Tensor, valid: &Tensor, hidden: &Tensor) -> Result<Step> {
+        let ring_slot = positions.remainder(self.ring.ring_slots)?;
+        let none = Tensor::full_i64(positions.numel(), -1, &self.like)?;
+        let recorded = valid.where_(&positions, &none)?;
+        self.ring.ring_pos.index_copy_(0, &ring_slot, &recorded)?;
+        self.ring.full_pos.index_copy_(0, &positions, &recorded)?;
+        let q = positions.unsqueeze(1)?;
+        let mut masks = Vec::new();
+        for (record, window) in [(&self.ring.full_pos, None), (&self.ring.ring_pos, Some(self.cfg.window))] {
+            let k = record.unsqueeze(0)?;
+            let mut keep = k.ge_scalar(0.0)?.logical_and(&k.le(&q)?)?;
+            if let Some(w) = window {
+                keep = keep.logical_and(&q.sub(&k)?.lt_scalar(w as f64)?)?;
+            }
+            masks.push(keep.unsqueeze(0)?.unsqueeze(0)?);
+        }
+        let sliding = masks.pop().unwrap();
+        let full = masks.pop().unwrap();
+        let mut cos_sin = Vec::new();
+        for (inv, scaling) in [(&self.inv_freq[0], self.cfg.rope_scaling_full), (&self.inv_freq[1], self.cfg.rope_scaling_sliding)] {
+            let freqs = positions.to_float()?.unsqueeze(1)?.mul(&inv.to_float()?.unsqueeze(0)?)?;
+            let emb = freqs.cat(&freqs, -1)?;
+            let cos = emb.cos()?.mul_scalar(scaling)?.to_like(hidden)?.unsqueeze(0)?.unsqueeze(2)?;
+            let sin = emb.sin()?.mul_scalar(scaling)?.to_like(hidden)?.unsqueeze(0)?.unsqueeze(2)?;
+            cos_sin.push((cos, sin));
+        }
+        let sliding_cs = cos_sin.pop().unwrap();
+        let full_cs = cos_sin.pop().unwrap();
+        Ok(Step { positions, ring_slot, masks: [full, sliding], cos_sin: [full_cs, sliding_cs] })
+    }
+
+    fn attention(&self, i: usize, x: &Tensor, step: &Step) -> Result<Tensor> {
+        let (spec, layer) = (&self.cfg.layers[i], &self.layers[i]);
+        let seq = x.size(1);
+        let kind = if spec.sliding { 1 } else { 0 };
+        let shape = [1, seq, -1, spec.head_dim];
+        let q = self.rope(&self.rms(&x.linear(&layer.q_proj)?.reshape(&shape)?, Some(&layer.q_norm))?, &step.cos_sin[kind])?;
+        if let Some((k_proj, v_proj, k_norm)) = &layer.kv {
+            let k = self.rope(&self.rms(&x.linear(k_proj)?.reshape(&shape)?, Some(k_norm))?, &step.cos_sin[kind])?;
+            let v = self.rms(&x.linear(v_proj)?.reshape(&shape)?, None)?;
+            let slots = if spec.sliding { &step.ring_slot } else { &step.positions };
+            self.ring.k[&i].index_copy_(2, slots, &k.transpose(1, 2)?)?;
+            self.ring.v[&i].index_copy_(2, slots, &v.transpose(1, 2)?)?;
+        }
+        let out = Tensor::sdpa(&q.transpose(1, 2)?, &self.ring.k[&spec.source], &self.ring.v[&spec.source], &step.masks[kind], 1.0)?;
+        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
+    }
+
+    /// One forward over `ids` at `positions` (padding rows have `valid` false); logits [1, V] of `row`.
+    fn forward(&mut self, ids: &Tensor, positions: Tensor, valid: &Tensor, row: i64) -> Result<Tensor> {
+        let seq = ids.numel();
+        let (hidden, ple_dim, layers) = (self.cfg.hidden, self.cfg.ple_dim, self.cfg.layers.len() as i64);
+        let mut h = self.embed.index_select(0, ids)?.reshape(&[1, seq, hidden])?.mul_scalar(self.cfg.embed_scale)?;
+        let tok = self.ple_table.index_select(0, ids)?.mul_scalar(self.cfg.ple_embed_scale)?.reshape(&[1, seq, layers, ple_dim])?;
+        let ctx = h.linear(&self.ple_model_projection)?.mul_scalar(self.cfg.ple_projection_scale)?.reshape(&[1, seq, layers, ple_dim])?;
+        let ple = self.rms(&ctx, Some(&self.ple_projection_norm))?.add(&tok)?.mul_scalar(self.cfg.ple_input_scale)?;
+        let step = self.begin(positions, valid, &h)?;
+        for i in 0..self.layers.len() {
+            let layer = &self.layers[i];
+            let attn = self.attention(i, &self.rms(&h, Some(&layer.input_norm))?, &step)?;
+            h = h.add(&self.rms(&attn, Some(&layer.post_attention_norm))?)?;
+            let x = self.rms(&h, Some(&layer.pre_ff_norm))?;
+            let mlp = x.linear(&layer.gate)?.gelu_tanh()?.mul(&x.linear(&layer.up)?)?.linear(&layer.down)?;
+            h = h.add(&self.rms(&mlp, Some(&layer.post_ff_norm))?)?;
+            let g = h.linear(&layer.ple_gate)?.gelu_tanh()?.mul(&ple.select(2, i as i64)?)?.linear(&layer.ple_projection)?;
+            h = h.add(&self.rms(&g, Some(&layer.post_ple_norm))?)?.mul(&layer.scalar)?;
+        }
+        let last = self.rms(&h.narrow(1, row, 1)?, Some(&self.final_norm))?;
+        let logits = last.linear(&self.lm_head)?.reshape(&[1, -1])?;
+        match self.cfg.softcap {
+            Some(cap) => logits.div_scalar(cap)?.tanh()?.mul_scalar(cap),
+            None => Ok(logits),
+        }
+    }
+
+    /// Reads the prompt in pieces; returns the logits [1, V] at its last token.
+    fn read_prompt(&mut self, ids: &[i64]) -> Result<Tensor> {
+        let piece = self.cfg.piece;
+        let offsets = Tensor::arange_i64(piece, &self.like)?;
+        let mut logits = None;
+        for (k, chunk) in ids.chunks(piece as usize).enumerate() {
+            let mut padded = chunk.to_vec();
+            padded.resize(piece as usize, 0);
+            let tokens = Tensor::from_i64s(&padded, &self.like)?;
+            let positions = offsets.add_i64(k as i64 * piece)?;
+            let valid = offsets.lt_scalar(chunk.len() as f64)?;
+            logits = Some(self.forward(&tokens, positions, &valid, chunk.len() as i64 - 1)?);
+        }
+        logits.ok_or_else(|| err("empty prompt".into()))
+    }
+
+    /// Greedy decode: at most `max_new` tokens. Tokens stay on the device and are read to the host
+    /// every `read_every` tokens, when `on_batch` gets them (it may return false to cancel); a token in
+    /// `stop` ends the answer (checked at each read, the tokens after it dropped).
+    pub fn decode(
+        &mut self,
+        ids: &[i64],
+        max_new: i64,
+        stop: &[i64],
+        read_every: i64,
+        mut on_batch: impl FnMut(&[i64]) -> bool,
+        mut keep_logits: Option<&mut Vec<Tensor>>,
+    ) -> Result<(Vec<i64>, Finish)> {
+        self.ring.ring_pos.fill_(-1.0)?;
+        self.ring.full_pos.fill_(-1.0)?;
+        let mut logits = self.read_prompt(ids)?;
+        let valid = Tensor::full_i64(1, 1, &self.like)?.ge_scalar(1.0)?;
+        let mut position = Tensor::full_i64(1, ids.len() as i64, &self.like)?;
+        let (mut out, mut pending, mut made) = (Vec::new(), Vec::new(), 0);
+        loop {
+            let token = logits.argmax_last()?.reshape(&[1])?;
+            if let Some(kept) = keep_logits.as_deref_mut() {
+                kept.push(logits);
+            }
+            made += 1;
+            pending.push(token.reshape(&[1])?);
+            if pending.len() as i64 >= read_every || made >= max_new {
+                let mut batch = Vec::new();
+                for t in pending.drain(..) {
+                    batch.extend(t.to_i64s()?); // the read-back: waits for the device
+                }
+                let stop_at = batch.iter().position(|t| stop.contains(t));
+                if let Some(s) = stop_at {
+                    batch.truncate(s + 1);
+                }
+                out.extend_from_slice(&batch);
+                let go_on = on_batch(&batch);
+                if stop_at.is_some() {
+                    return Ok((out, Finish::Stop));
+                }
+                if !go_on {
+                    return Ok((out, Finish::Cancelled));
+                }
+                if made >= max_new {
+                    return Ok((out, Finish::Length));
+                }
+            }
+            logits = self.forward(&token, position.add_i64(0)?, &valid, 0)?;
+            position = position.add_i64(1)?;
+        }
+    }
+}

@@ -1,0 +1,100 @@
+"""``rust``: Gemma 4 in Rust over ATen (``engines/rust/``), driven through its PyO3 bindings.
+
+Weights come from the one loader (``decodebench.checkpoint.load_model``) and cross to Rust once;
+the layers, the ring cache (the same design as ``ring``), the prompt read in pieces and the decode
+loop run in Rust, every tensor operation through the C++ shim's ATen calls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from decodebench.checkpoint import load_model
+from decodebench.device import Device
+from engines.base import Engine, Generation
+
+
+def built() -> str | None:
+    """Why the Rust module cannot be used here, or None when it imports."""
+    if importlib.util.find_spec("decodebench_rs") is None:
+        return "the rust engine is not built: `make setup` builds it (cargo, maturin, Debian's librust-pyo3-dev)"
+    try:
+        import decodebench_rs  # noqa: F401
+    except ImportError as exc:
+        return f"the rust engine does not load: {exc}"
+    return None
+
+
+def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The shape and constants the Rust model needs, read from the loaded Transformers model."""
+    cfg = model.config
+    modes = cfg.kv_sharing_modes
+    sources = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        owners = [j for j in range(i + 1) if modes[j] != "reuse" and cfg.layer_types[j] == layer_type]
+        sources.append(i if modes[i] != "reuse" else owners[-1])
+    text = model.model
+    rotary = text.rotary_emb
+
+    def as_dtype(value: float) -> float:  # Transformers multiplies by these scales held in the run's dtype
+        return float(torch.tensor(value, dtype=dtype))
+
+    return {
+        "sliding": [t == "sliding_attention" for t in cfg.layer_types],
+        "head_dims": [cfg.per_layer_config[i].head_dim for i in range(cfg.num_hidden_layers)],
+        "kv_heads": [cfg.per_layer_config[i].num_key_value_heads for i in range(cfg.num_hidden_layers)],
+        "sources": sources,
+        "hidden": cfg.hidden_size,
+        "ple_dim": cfg.hidden_size_per_layer_input,
+        "window": cfg.sliding_window,
+        "piece": piece,
+        "context": context,
+        "eps": cfg.rms_norm_eps,
+        "softcap": cfg.final_logit_softcapping,
+        "embed_scale": as_dtype(text.embed_tokens.scalar_embed_scale),
+        "ple_embed_scale": as_dtype(text.embed_tokens_per_layer.scalar_embed_scale),
+        "ple_projection_scale": text.per_layer_model_projection_scale,
+        "ple_input_scale": text.per_layer_input_scale,
+        "rope_scaling_sliding": float(rotary.sliding_attention_attention_scaling),
+        "rope_scaling_full": float(rotary.full_attention_attention_scaling),
+    }
+
+
+class RustEngine(Engine):
+    name = "rust"
+    streams = True
+
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        return built() or super().unsupported_reason(device, run_cfg)
+
+    def load(self) -> None:
+        import decodebench_rs
+
+        assert self.checkpoint is not None
+        device, dtype = self.ctx.device.torch_device, self.ctx.dtype
+        model, _ = load_model(self.checkpoint, dtype, device)
+        weights = dict(model.state_dict())
+        weights["lm_head.weight"] = model.lm_head.weight
+        for layer_type in ("sliding_attention", "full_attention"):
+            weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
+        config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
+        self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
+        self.build = dict(decodebench_rs.BUILD)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+        tokens, _, logits = self.native.decode(
+            prompt_ids, max_new_tokens, read_every=self.ctx.read_every, return_logits=return_logits
+        )
+        return Generation(tokens, None if logits is None else logits.float().cpu())
+
+    def cache_bytes(self) -> int | None:
+        return self.native.cache_bytes if hasattr(self, "native") else None
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "native"):
+            return {}
+        return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every}
