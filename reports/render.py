@@ -51,7 +51,11 @@ def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
     rates = figures[(figures.metric == "decode_tok_s") & figures.engine.notna()]
     for _, row in rates.iterrows():
         out.setdefault(row.engine, []).append(f"{published_data.span(row)} ({row.article}: {row.table})")
-    return {k: sorted(v, key=lambda text: ("Headline" not in text, text)) for k, v in out.items()}
+
+    def rank(text: str) -> tuple[bool, bool, str]:  # the articles' summary tables first
+        return "Headline" not in text, "omparison" not in text, text
+
+    return {k: sorted(v, key=rank) for k, v in out.items()}
 
 
 def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs | None:
@@ -87,14 +91,17 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt)
+    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span)
     cells = ev.cells
+    recall = aggregate.recall_table(ev.records)
+    too_long = recall.reason.fillna("").str.contains("does not fit context")
     figures = pub.all_figures()
     step11 = figures.table.str.contains("Step 11", na=False) & figures.metric.isin(RECALL_METRICS)
     text = env.get_template("REPORT.md.j2").render(
         cells=cells,
         decode=decode,
-        recall=aggregate.recall_table(ev.records),
+        recall=recall[~too_long],
+        recall_not_fitting=int(too_long.sum()),
         parity=cells[(cells.experiment == "parity") & (cells.status == "ok")].sort_values(["model", "engine", "file"]),
         not_ok=cells[cells.status != "ok"].sort_values("file"),
         environments=cells.drop_duplicates(
@@ -130,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         print(f"nothing to report: no evidence files under {args.evidence} (run `make demo` or `python run.py`)")
         return 0
-    print(f"report:     {out.report}\narithmetic: {out.arithmetic}")
     for p in out.plots:
         print(f"plot:       {p}")
+    print(f"arithmetic: {out.arithmetic}\nreport:     {out.report}")
     return 0
 
 
