@@ -15,7 +15,8 @@ from engines.base import Engine, Generation
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
     """Bytes of a StaticCache's allocated K/V tensors (layers allocate at their first update)."""
-    tensors = [t for layer in (cache.layers if cache else []) for t in (layer.keys, layer.values) if t is not None]
+    layers = cache.layers if cache is not None else []  # a Cache with no tokens is falsy
+    tensors = [t for layer in layers for t in (layer.keys, layer.values) if t is not None]
     return sum(t.nbytes for t in tensors) if tensors else None
 
 
@@ -93,6 +94,9 @@ class StaticEngine(GenerateEngine):
             self._cache = StaticCache(config=self.model.config, max_cache_len=self.ctx.context)
         self._cache.reset()
         return self._cache
+
+    def cache_bytes(self) -> int | None:
+        return static_cache_bytes(self._cache)
 
     def describe(self) -> dict[str, Any]:
         return {
