@@ -27,7 +27,7 @@ from experiments.common import Cell
 
 log = logging.getLogger("decodebench")
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError)
-_written: list[tuple[str, str, Path]] = []  # (status, headline, path) of cells run in this process
+_written: list[tuple[str, Path]] = []  # (status, path) of the cells run in this process
 
 
 def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
@@ -41,7 +41,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     path = evidence_path(cfg, config)
     if cfg.resume and evidence.finished_ok(path):
         log.info("resume: %s is already ok, skipped", path)
-        _written.append(("resumed", "", path))
+        _written.append(("resumed", path))
         return None
     record: dict[str, Any] = {
         "schema_version": evidence.SCHEMA_VERSION,
@@ -107,10 +107,9 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         record.update(status="failed", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     evidence.validate(record)
     evidence.write_atomic(path, record)
-    headline = _headline(record)
-    _written.append((record["status"], headline, path))
+    _written.append((record["status"], path))
     stream = sys.stdout if record["status"] != "failed" else sys.stderr
-    print(f"[{record['status']}] {path}{headline}", file=stream, flush=True)
+    print(f"[{record['status']}] {path}{_headline(record)}", file=stream, flush=True)
     return record
 
 
@@ -139,7 +138,7 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         counts: dict[str, int] = {}
         print("\nsweep summary:")
-        for status, _, path in _written:
+        for status, path in _written:
             counts[status] = counts.get(status, 0) + 1
             print(f"  {status:8s} {path}")
         print("  " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))

@@ -108,6 +108,22 @@ class Engine(ABC):
         """Bytes of the KV cache computed from its buffers' shapes, when the engine owns one."""
         return None
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of the model's parameters and buffers as held (each storage once), from their shapes.
+
+        On a CPU the resident-set counters miss tables that are memory-mapped and never touched;
+        this figure is what a device must hold.
+        """
+        model = getattr(self, "model", None)
+        if model is None:
+            return None
+        storages = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.stride() and 0 in tensor.stride():
+                continue  # zero-stride placeholders hold no memory
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return sum(storages.values())
+
     def describe(self) -> dict[str, Any]:
         """Engine-specific evidence (graph counts, cache layout, ...)."""
         return {}

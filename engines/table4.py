@@ -54,9 +54,12 @@ class Table4Engine(CompiledEngine):
 
     def describe(self) -> dict[str, Any]:
         table = self.packed_tables.get(TABLE) if hasattr(self, "packed_tables") else None
-        resident = None if table is None else table.packed.nbytes + table.scale.nbytes
+        if table is None:
+            return super().describe()
+        rows, cols = table.shape
         return {
             **super().describe(),
             "per_layer_table": "int4 packed rows",
-            "per_layer_table_bytes": resident,
+            "per_layer_table_bytes": table.packed.nbytes + table.scale.nbytes,
+            "per_layer_table_dense_bytes": rows * cols * self.ctx.dtype.itemsize,
         }

@@ -66,6 +66,11 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         )
         result.samples["decode_streamed_tok_s"] = streamed
     peaks = device.peak_memory()
+    weights = engine.weight_bytes()
+    if weights is not None:
+        result.measurements["weight_bytes_from_shape"] = scalar(
+            weights, "B", method="unique storages of parameters and buffers"
+        )
     cache = engine.cache_bytes()
     if cache is not None:
         result.measurements["cache_bytes_from_shape"] = scalar(cache, "B", method="sum of K/V buffer nbytes")
