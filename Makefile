@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 SWEEP ?= demo
+# rustup's cargo, where the machine keeps it there
+export PATH := $(HOME)/.cargo/bin:$(PATH)
 
 .PHONY: setup demo test report sweep lint clean
 
