@@ -75,7 +75,8 @@ def render(entries: list[Entry]) -> str:
 def _label(row: pd.Series) -> str:
     engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
     return (
-        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/read_every={row.read_every}{engine}"
+        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/N={row.new_tokens}"
+        f"/read_every={row.read_every}{engine}"
     )
 
 
