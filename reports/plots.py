@@ -15,7 +15,9 @@ SAVE = {"dpi": 100, "metadata": {"Software": None}}
 
 def _label(row: pd.Series) -> str:
     stream = f", read_every={row.read_every}" if row.read_every else ""
-    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}{stream})"
+    backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
+    backend = f", {backend}" if backend else ""
+    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}, N={row.new_tokens}{stream}{backend})"
 
 
 def decode_rates(decode: pd.DataFrame, out: Path) -> str | None:
