@@ -58,6 +58,7 @@ class RingCache:
         self.full_pos = torch.full((self.full_slots,), -1, dtype=torch.long, device=device)
         self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin()
 
     def nbytes(self) -> int:
         """Bytes held by K/V buffers, from their shapes."""
@@ -81,12 +82,22 @@ class RingCache:
         self.full_pos.fill_(-1)
 
     def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """Marks the slots this forward writes: ``positions`` [S] absolute, ``valid`` [S] (False: padding)."""
+        """Marks the slots this forward writes and builds the two masks every layer of it reads.
+
+        ``positions`` [S] absolute, ``valid`` [S] (False: padding). A key slot is visible to a query
+        when it holds a position at or before the query's (and, sliding, within the window).
+        """
         self.query_pos = positions
         self.ring_slot = positions % self.ring_slots
         recorded = torch.where(valid, positions, torch.full_like(positions, -1))
         self.ring_pos.index_copy_(0, self.ring_slot, recorded)
         self.full_pos.index_copy_(0, positions, recorded)
+        qpos = positions[:, None]
+        ring, full = self.ring_pos[None, :], self.full_pos[None, :]
+        self.masks = {
+            True: (ring >= 0) & (ring <= qpos) & (qpos - ring < self.window),
+            False: (full >= 0) & (full <= qpos),
+        }
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self.ring_slot if self.sliding[layer] else self.query_pos
@@ -96,12 +107,7 @@ class RingCache:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V of the layer's source and the [S, slots] mask of keys each query may see."""
         src = self.source[layer]
-        kpos = (self.ring_pos if self.sliding[layer] else self.full_pos)[None, :]
-        qpos = self.query_pos[:, None]
-        keep = (kpos >= 0) & (kpos <= qpos)
-        if self.sliding[layer]:
-            keep = keep & (qpos - kpos < self.window)
-        return self.k[src], self.v[src], keep
+        return self.k[src], self.v[src], self.masks[self.sliding[layer]]
 
 
 def ring_attention(
