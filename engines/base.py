@@ -54,6 +54,7 @@ class Engine(ABC):
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
     tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
+    streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
@@ -91,8 +92,6 @@ class Engine(ABC):
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:  # noqa: B027 - default: no limit
         """Raises EngineLimit when this engine cannot hold the prompt plus its new tokens."""
-
-    streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
 
     @contextmanager
     def reading_every(self, k: int) -> Iterator[None]:

@@ -20,6 +20,27 @@ def static_cache_bytes(cache: StaticCache | None) -> int | None:
     return sum(t.nbytes for t in tensors) if tensors else None
 
 
+@torch.inference_mode()
+def greedy_generate(
+    model: Any, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False, cache: Any = None
+) -> Generation:
+    """Transformers ``generate``: greedy, exactly ``max_new_tokens`` (no EOS stop, so every call does the
+    same work), on the model's device; logits [n, V] float32 on the host when asked."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.generation_config.pad_token_id,
+        bos_token_id=model.config.bos_token_id,
+        output_logits=return_logits,
+        return_dict_in_generate=True,
+    )
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, cache=cache)
+    logits = torch.cat([step.float().cpu() for step in out.logits]) if return_logits else None
+    return Generation(out.sequences[0, len(prompt_ids) :].tolist(), logits)
+
+
 class GenerateEngine(Engine):
     """``generate``: greedy, eager, Transformers' dynamic cache (the articles' baseline)."""
 
@@ -30,37 +51,17 @@ class GenerateEngine(Engine):
         assert self.checkpoint is not None
         self.model, _ = load_model(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device)
 
-    def generation_config(self, max_new_tokens: int, return_logits: bool) -> GenerationConfig:
-        """Greedy, exactly ``max_new_tokens``: no EOS stop, so every call does the same work."""
-        assert self.checkpoint is not None
-        return GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=self.checkpoint.config.pad_token_id,
-            bos_token_id=self.checkpoint.config.bos_token_id,
-            output_logits=return_logits,
-            return_dict_in_generate=True,
-        )
-
     def cache(self) -> Any:
         """The cache object handed to generate; None lets Transformers make a DynamicCache."""
         return None
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # the cache is reset in place: it must be inside, with the generate that made it
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
-        ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         mode = tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
         with mode:
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                generation_config=self.generation_config(max_new_tokens, return_logits),
-                cache=self.cache(),
+            return greedy_generate(
+                self.model, prompt_ids, max_new_tokens, return_logits=return_logits, cache=self.cache()
             )
-        tokens = out.sequences[0, len(prompt_ids) :].tolist()
-        logits = torch.cat([step.float().cpu() for step in out.logits]) if return_logits else None
-        return Generation(tokens, logits)
 
 
 class FuseEngine(GenerateEngine):

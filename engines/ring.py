@@ -28,21 +28,30 @@ from engines.stepping import SteppingEngine, greedy
 NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
 
 
+def ring_slots(window: int, piece: int) -> int:
+    """Sliding-layer ring size: the window rounded up to whole pieces, plus one piece."""
+    return math.ceil(window / piece) * piece + piece
+
+
+def kv_sources(config: Any) -> list[int]:
+    """For each layer, the layer whose K/V it reads: itself, or (KV-shared) the last cache-owning
+    layer of the same type."""
+    modes, types_ = config.kv_sharing_modes, config.layer_types
+    return [
+        i if modes[i] != "reuse" else max(j for j in range(i) if modes[j] != "reuse" and types_[j] == types_[i])
+        for i in range(len(types_))
+    ]
+
+
 class RingCache:
     """K/V buffers for the cache-owning layers and the position records that mask them."""
 
     def __init__(self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device) -> None:
         self.window = config.sliding_window
         self.piece = piece
-        self.ring_slots = math.ceil(self.window / piece) * piece + piece
+        self.ring_slots = ring_slots(self.window, piece)
         self.full_slots = math.ceil(context / piece) * piece
-        modes = config.kv_sharing_modes
-        self.source: dict[int, int] = {}
-        for i, layer_type in enumerate(config.layer_types):
-            if modes[i] != "reuse":
-                self.source[i] = i
-            else:  # the last cache-owning layer of the same type
-                self.source[i] = max(j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == layer_type)
+        self.source = dict(enumerate(kv_sources(config)))
         self.sliding = {i: t == "sliding_attention" for i, t in enumerate(config.layer_types)}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}

@@ -15,6 +15,7 @@ import torch
 from decodebench.checkpoint import load_model
 from decodebench.device import Device
 from engines.base import Engine, Generation
+from engines.ring import kv_sources
 
 
 def built() -> str | None:
@@ -31,11 +32,6 @@ def built() -> str | None:
 def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> dict[str, Any]:
     """The shape and constants the Rust model needs, read from the loaded Transformers model."""
     cfg = model.config
-    modes = cfg.kv_sharing_modes
-    sources = []
-    for i, layer_type in enumerate(cfg.layer_types):
-        owners = [j for j in range(i + 1) if modes[j] != "reuse" and cfg.layer_types[j] == layer_type]
-        sources.append(i if modes[i] != "reuse" else owners[-1])
     text = model.model
     rotary = text.rotary_emb
 
@@ -46,7 +42,7 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
         "sliding": [t == "sliding_attention" for t in cfg.layer_types],
         "head_dims": [cfg.per_layer_config[i].head_dim for i in range(cfg.num_hidden_layers)],
         "kv_heads": [cfg.per_layer_config[i].num_key_value_heads for i in range(cfg.num_hidden_layers)],
-        "sources": sources,
+        "sources": kv_sources(cfg),
         "hidden": cfg.hidden_size,
         "ple_dim": cfg.hidden_size_per_layer_input,
         "window": cfg.sliding_window,

@@ -15,16 +15,24 @@ from __future__ import annotations
 
 from decodebench.config import check_fits
 from decodebench.evidence import samples, scalar
+from engines.base import Generation
 from experiments.common import Cell, Result, answer, prompt_ids, timed
 
 
-def warm_pairs(cell: Cell, ids: list[int], expected: list[int]) -> tuple[list[float], list[float], list[float]]:
-    """``repeats`` pairs of warm 1-token and N-token calls; the decode rate of each pair."""
+def timed_pair(cell: Cell, ids: list[int]) -> tuple[float, Generation, float]:
+    """A warm 1-token call and a warm N-token call on ``ids``: (T_1, the N-token generation, T_N)."""
     device, engine, n = cell.device, cell.engine, cell.cfg.max_new_tokens
+    _, t1 = timed(device, lambda: engine.generate(ids, 1))
+    gen, tn = timed(device, lambda: engine.generate(ids, n))
+    return t1, gen, tn
+
+
+def warm_pairs(cell: Cell, ids: list[int], expected: list[int]) -> tuple[list[float], list[float], list[float]]:
+    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair."""
+    n = cell.cfg.max_new_tokens
     warm_1, warm_n, rates = [], [], []
     for _ in range(cell.cfg.repeats):
-        _, t1 = timed(device, lambda: engine.generate(ids, 1))
-        gen, tn = timed(device, lambda: engine.generate(ids, n))
+        t1, gen, tn = timed_pair(cell, ids)
         if gen.tokens != expected:
             raise RuntimeError("a warm greedy call wrote different tokens from the first call")
         warm_1.append(t1)

@@ -12,16 +12,16 @@ or that the engine cannot hold, is recorded with the reason.
 from __future__ import annotations
 
 import gc
-import math
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from decodebench.checkpoint import load_reference, resolve
 from decodebench.config import ConfigError, check_fits
 from decodebench.evidence import scalar
 from engines.base import EngineLimit
+from engines.generate import greedy_generate
+from engines.ring import ring_slots
 from experiments.common import Cell, Result, prompt_ids
 
 LONG_SENTENCE = "The tide rolls over the reef, and the gulls count the waves until the evening light fades. "
@@ -72,23 +72,10 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
     ckpt = resolve(cfg.model, "bf16", cfg.cache_dir)
     model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
     model.config._attn_implementation = "eager"
-    greedy = GenerationConfig(
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=ckpt.config.pad_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
     out = {}
-    with torch.inference_mode():
-        for name, ids in prompts.items():
-            x = torch.tensor([ids], device=cell.device.torch_device)
-            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=greedy)
-            out[name] = (
-                gen.sequences[0, len(ids) :].tolist(),
-                torch.cat([s.float().cpu() for s in gen.logits]),
-            )
+    for name, ids in prompts.items():
+        gen = greedy_generate(model, ids, n, return_logits=True)
+        out[name] = (gen.tokens, gen.logits)
     del model
     gc.collect()
     return out
@@ -100,8 +87,7 @@ def run(cell: Cell) -> Result:
     engine.prepare()
     candidates = {"prompt": prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)}
     window, piece = engine.checkpoint.config.sliding_window, cfg.experiment.wrap_piece
-    ring_slots = math.ceil(window / piece) * piece + piece  # the ring engine's sliding buffer at that piece
-    candidates["long"] = long_prompt(engine.tokenizer, ring_slots + cfg.experiment.wrap_extra)
+    candidates["long"] = long_prompt(engine.tokenizer, ring_slots(window, piece) + cfg.experiment.wrap_extra)
     prompts: dict[str, list[int]] = {}
     result = Result(timers={"parity": "not timed"})
     for name, ids in candidates.items():

@@ -19,6 +19,7 @@ from decodebench.evidence import scalar
 from engines.base import EngineLimit
 from experiments import recall_prompts
 from experiments.common import Cell, Result, answer, timed
+from experiments.decode import timed_pair
 
 CODE = re.compile(r"(?<!\d)(\d{6})(?!\d)")
 
@@ -74,8 +75,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     result.measurements["recall_first_call_s"] = scalar(first_s, "s", prompt_tokens=prompts[0].prompt_tokens)
     for prompt in prompts:
         ids = list(prompt.ids)
-        _, read_s = timed(device, lambda ids=ids: engine.generate(ids, 1))
-        gen, total_s = timed(device, lambda ids=ids: engine.generate(ids, n))
+        read_s, gen, total_s = timed_pair(cell, ids)
         said = answer(gen.tokens, engine.eos_ids, engine.tokenizer)
         code = parse_code(said["text"])
         outcomes.append(
