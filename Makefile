@@ -16,17 +16,18 @@ RUST_STAMP := $(VENV)/.rust-stamp
 RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RUST_CRATE)/Cargo.toml $(RUST_CRATE)/build.rs
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,rust]"
-	touch $(STAMP)
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust])"
+	@$(BIN)/pip install -qq --upgrade pip
+	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
+	@$(BIN)/pip install -qq -e ".[dev,rust]"
+	@touch $(STAMP)
 
-# The Rust engine: Debian's packaged crates (offline), then maturin against the venv's torch.
-$(RUST_STAMP): $(STAMP) $(RUST_SOURCES)
-	test -d /usr/share/cargo/registry/pyo3-0.17.3 || { apt-get update -qq && apt-get install -y -qq librust-pyo3-dev librust-cc-dev; }
-	cd $(RUST_CRATE) && VIRTUAL_ENV=$(CURDIR)/$(VENV) $(CURDIR)/$(BIN)/maturin develop --release --quiet
-	touch $(RUST_STAMP)
+# The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates
+# offline (scripts/build_rust.py says which), then maturin against the venv's torch.
+$(RUST_STAMP): $(STAMP) $(RUST_SOURCES) scripts/build_rust.py
+	@$(BIN)/python scripts/build_rust.py --venv $(CURDIR)/$(VENV)
+	@touch $(RUST_STAMP)
 
 setup: $(STAMP) $(RUST_STAMP)
 
