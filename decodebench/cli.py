@@ -23,10 +23,10 @@ from decodebench.environment import capture
 from engines import engine_class
 from engines.base import DTYPES, EngineContext, EngineLimit
 from experiments import EXPERIMENTS
-from experiments.common import Cell
+from experiments.cell import Cell, MethodError
 
 log = logging.getLogger("decodebench")
-EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError)
+EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
 _written: list[tuple[str, Path]] = []  # (status, path) of the cells run in this process
 
 

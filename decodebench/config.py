@@ -137,13 +137,17 @@ class DecodeExperimentConfig(ExperimentConfig):
 
 @dataclass
 class RecallExperimentConfig(ExperimentConfig):
-    """Numbered records fill the context; the model is asked for one code (experiments/recall_prompts)."""
+    """Numbered records fill the context; the model is asked for one code (experiments/recall_prompts).
+
+    ``repeats``: timed reads of each recall prompt (a long prompt's read already spans many pieces).
+    """
 
     name: str = "recall"
+    repeats: int = 1
 
 
 @dataclass
-class DefaultExperimentConfig(ExperimentConfig):
+class DefaultExperimentConfig(RecallExperimentConfig):
     """decode (with memory), then the recall prompts that fit the context."""
 
     name: str = "default"
@@ -247,16 +251,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
     if cfg.model.tables not in ("bf16", "int4"):
         raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
-
-
-def check_fits(context: int, prompt_tokens: int, max_new_tokens: int) -> None:
-    """The cache must hold the prompt plus every generated token."""
-    need = prompt_tokens + max_new_tokens
-    if context < need:
-        raise ConfigError(
-            f"context={context} is too small: the prompt is {prompt_tokens} tokens and "
-            f"max_new_tokens={max_new_tokens}, so the cache needs at least {need} slots"
-        )
 
 
 def register_configs() -> None:

@@ -1,7 +1,11 @@
 """The engine interface: load a checkpoint, then greedily generate a token budget from prompt ids.
 
-Engines do no timing: the experiment puts ``device.sync()`` and the clock around ``load`` and
-``generate``.  Capability flags (``devices``) and ``unsupported_reason`` decide ``skipped`` cells.
+The experiment puts ``device.sync()`` and the clock around ``load`` and ``generate``.  Engines that
+step (``splits_phases``) also time their own two phases inside one call, as the Rust article's
+engine does: ``read_s`` from the call's start until the first new token is ready on the device
+(the prompt read), ``decode_s`` from then until the last token is on the host, each boundary after
+a ``device.sync()``.  Capability flags (``devices``) and ``unsupported_reason`` decide ``skipped``
+cells; ``limit`` says what an engine cannot hold by design.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
-from decodebench.config import ConfigError
 from decodebench.device import Device
 
 CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a padded last prompt piece)
@@ -29,10 +32,13 @@ class EngineLimit(RuntimeError):
 
 @dataclass
 class Generation:
-    """Tokens an engine wrote after the prompt; ``logits`` [n, vocab] float32 on the host when asked."""
+    """Tokens an engine wrote after the prompt; ``logits`` [n, vocab] float32 on the host when asked;
+    the engine's own phase seconds (None when it cannot split a call)."""
 
     tokens: list[int]
     logits: torch.Tensor | None = None
+    read_s: float | None = None
+    decode_s: float | None = None
 
 
 @dataclass
@@ -55,12 +61,12 @@ class Engine(ABC):
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
     tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
+    splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         self.checkpoint: Checkpoint | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.loaded = False  # set by the experiment that timed load()
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -73,13 +79,6 @@ class Engine(ABC):
         """Finds the checkpoint (building a synthetic one on first use) and its tokenizer; not timed."""
         tables = self.tables or self.ctx.model_cfg.tables
         self.checkpoint = resolve(self.ctx.model_cfg, tables, self.ctx.cache_dir)
-        limit = self.checkpoint.config.max_position_embeddings + CONTEXT_HEADROOM
-        if self.ctx.context > limit:
-            raise ConfigError(
-                f"context={self.ctx.context} is above what the model can address: max_position_embeddings="
-                f"{self.checkpoint.config.max_position_embeddings} plus {CONTEXT_HEADROOM} slots of headroom "
-                f"(one prompt piece, as in the article's 131,328 = 131,072 + 256) = {limit}"
-            )
         self.tokenizer = load_tokenizer(self.checkpoint)
 
     @abstractmethod
@@ -90,8 +89,9 @@ class Engine(ABC):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
         """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:  # noqa: B027 - default: no limit
-        """Raises EngineLimit when this engine cannot hold the prompt plus its new tokens."""
+    def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why this engine cannot hold the prompt plus its new tokens by design (``skipped``), or None."""
+        return None
 
     @contextmanager
     def reading_every(self, k: int) -> Iterator[None]:

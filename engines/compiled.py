@@ -18,7 +18,6 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from engines.base import EngineLimit
 from engines.generate import static_cache_bytes
 from engines.stepping import SteppingEngine, greedy
 
@@ -46,17 +45,18 @@ class CompiledEngine(SteppingEngine):
                 for method in WINDOW_FIX:
                     setattr(layer, method, types.MethodType(getattr(StaticLayer, method), layer))
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         assert self.checkpoint is not None
         window = self.checkpoint.config.sliding_window
         last = prompt_tokens + max_new_tokens
-        if last > window:
-            raise EngineLimit(
-                f"engine {self.name} holds at most sliding_window={window} positions in its sliding "
-                f"layers, and this cell needs {last} (prompt {prompt_tokens} + max_new_tokens "
-                f"{max_new_tokens}): past the window the StaticCache recipe writes beyond those buffers "
-                "(it halted the TPU in article 003, Step 12); use engine=ring"
-            )
+        if last <= window:
+            return None
+        return (
+            f"engine {self.name} holds at most sliding_window={window} positions in its sliding "
+            f"layers, and this cell needs {last} (prompt {prompt_tokens} + max_new_tokens "
+            f"{max_new_tokens}): past the window the StaticCache recipe writes beyond those buffers "
+            "(it halted the TPU in article 003, Step 12); use engine=ring"
+        )
 
     def reset(self) -> None:
         self.cache.reset()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from experiments import decode, parity, recall
-from experiments.common import Cell, Result
+from experiments.cell import Cell
+from experiments.common import Result
 
 
 def default(cell: Cell) -> Result:

@@ -1,18 +1,11 @@
-"""Pieces every experiment shares: the cell it runs in, the clock, the prompt and the answer."""
+"""Pieces every experiment shares: the result it hands back, the prompt and the answer."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
-
-from decodebench.device import Device
-from engines.base import Engine
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -23,24 +16,6 @@ class Result:
     samples: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     timers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Cell:
-    """One configured run: the composed config, the resolved device and the (not yet loaded) engine."""
-
-    cfg: Any
-    device: Device
-    engine: Engine
-
-
-def timed(device: Device, fn: Callable[[], T]) -> tuple[T, float]:
-    """Runs ``fn`` between two ``device.sync()`` calls; returns its result and wall seconds."""
-    device.sync()
-    start = time.perf_counter()
-    result = fn()
-    device.sync()
-    return result, time.perf_counter() - start
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:

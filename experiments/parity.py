@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from decodebench.checkpoint import load_reference, resolve
-from decodebench.config import ConfigError, check_fits
 from decodebench.evidence import scalar
 from engines.base import EngineLimit
 from engines.generate import greedy_generate
 from engines.ring import ring_slots
-from experiments.common import Cell, Result, prompt_ids
+from experiments.cell import Cell, expect_tokens
+from experiments.common import Result, prompt_ids
 
 LONG_SENTENCE = "The tide rolls over the reef, and the gulls count the waves until the evening light fades. "
 
@@ -74,7 +74,7 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
     model.config._attn_implementation = "eager"
     out = {}
     for name, ids in prompts.items():
-        gen = greedy_generate(model, ids, n, return_logits=True)
+        gen = expect_tokens(greedy_generate(model, ids, n, return_logits=True), n, "the reference")
         out[name] = (gen.tokens, gen.logits)
     del model
     gc.collect()
@@ -84,25 +84,24 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
 def run(cell: Cell) -> Result:
     cfg, engine = cell.cfg, cell.engine
     n = cfg.max_new_tokens
-    engine.prepare()
+    cell.prepare()
     candidates = {"prompt": prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)}
     window, piece = engine.checkpoint.config.sliding_window, cfg.experiment.wrap_piece
     candidates["long"] = long_prompt(engine.tokenizer, ring_slots(window, piece) + cfg.experiment.wrap_extra)
     prompts: dict[str, list[int]] = {}
     result = Result(timers={"parity": "not timed"})
     for name, ids in candidates.items():
-        try:
-            check_fits(cfg.context, len(ids), n)
-            engine.check_fits(len(ids), n)
+        misfit = cell.misfit(len(ids))
+        if misfit:
+            result.outputs[name] = {"status": "skipped", "reason": misfit.reason, "prompt_tokens": len(ids)}
+        else:
             prompts[name] = ids
-        except (ConfigError, EngineLimit) as exc:
-            result.outputs[name] = {"status": "skipped", "reason": str(exc), "prompt_tokens": len(ids)}
     if not prompts:
         raise EngineLimit("no parity prompt fits: " + "; ".join(o["reason"] for o in result.outputs.values()))
     reference = reference_outputs(cell, prompts, n)
-    engine.load()
+    cell.load()
     for name, ids in prompts.items():
-        gen = engine.generate(ids, n, return_logits=True)
+        gen = cell.call(ids, n, return_logits=True)
         ref_ids, ref_logits = reference[name]
         got = compare(ref_ids, ref_logits, gen.tokens, gen.logits, cfg.experiment)
         result.outputs[name] = {"status": "ok", "prompt_tokens": len(ids), **got}
