@@ -25,12 +25,16 @@ def greedy_generate(
     model: Any, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False, cache: Any = None
 ) -> Generation:
     """Transformers ``generate``: greedy, exactly ``max_new_tokens`` (no EOS stop, so every call does the
-    same work), on the model's device; logits [n, V] float32 on the host when asked."""
+    same work), on the model's device; logits [n, V] float32 on the host when asked.
+
+    ``eos_token_id=[]``, not None: generate fills every None field from the model's own generation
+    config, whose EOS list would then stop the call early.
+    """
     ids = torch.tensor([prompt_ids], device=model.device)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=None,
+        eos_token_id=[],
         pad_token_id=model.generation_config.pad_token_id,
         bos_token_id=model.config.bos_token_id,
         output_logits=return_logits,

@@ -62,6 +62,7 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
 class RustEngine(Engine):
     name = "rust"
     streams = True
+    splits_phases = True  # the Rust loop times its own phases (Engine.timers)
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -85,7 +86,13 @@ class RustEngine(Engine):
         tokens, _, logits = self.native.decode(
             prompt_ids, max_new_tokens, read_every=self.ctx.read_every, return_logits=return_logits
         )
-        return Generation(tokens, None if logits is None else logits.float().cpu())
+        timers = self.native.timers
+        return Generation(
+            tokens,
+            None if logits is None else logits.float().cpu(),
+            read_s=timers["read_s"],
+            decode_s=timers["decode_s"],
+        )
 
     def cache_bytes(self) -> int | None:
         return self.native.cache_bytes if hasattr(self, "native") else None

@@ -3,10 +3,15 @@
 A stepping engine implements ``reset`` (empty its cache), ``prefill`` (read the prompt, return the
 first token and its logits) and ``step`` (one token in at a position, the next token out).  Tokens
 and positions stay on the device; ``read_every`` decides how often tokens are read to the host.
+
+Phase timers (wall clock, ``device.sync()`` at each boundary): ``read_s`` from the call's start to
+the first new token ready on the device (reset + prefill), ``decode_s`` from there to the last of
+the N tokens on the host (N-1 steps and the read-backs), so decode tok/s = (N-1) / decode_s.
 """
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +53,7 @@ class SteppingEngine(Engine):
 
     keep_packed: tuple[str, ...] = ()
     streams = True
+    splits_phases = True
 
     def load(self) -> None:
         assert self.checkpoint is not None
@@ -82,8 +88,13 @@ class SteppingEngine(Engine):
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+        sync = self.ctx.device.sync
+        sync()
+        start = time.perf_counter()
         self.reset()
         token, logits = self.prefill(prompt_ids)
+        sync()
+        first = time.perf_counter()
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
         pending, tokens, kept_logits = [token], [], [logits] if return_logits else []
         read_every = self.ctx.read_every or max_new_tokens
@@ -98,8 +109,10 @@ class SteppingEngine(Engine):
                 pending = []
         if pending:
             tokens += torch.cat(pending).view(-1).tolist()
+        sync()
+        end = time.perf_counter()
         stacked = torch.cat(kept_logits).float().cpu() if return_logits else None
-        return Generation(tokens, stacked)
+        return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
 
     def describe(self) -> dict[str, Any]:
         return {

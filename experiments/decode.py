@@ -3,8 +3,12 @@
 Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 * ``load_s``: ``engine.load()`` — reading the checkpoint, dequantizing, placing it on the device.
 * ``first_call_s``: the first ``generate`` of N tokens, compilation included.
-* ``warm_1_s`` / ``warm_n_s``: warm calls that write exactly 1 and N tokens (EOS ignored).
+* ``warm_1_s`` / ``warm_n_s``: warm calls that write exactly 1 and N tokens (EOS ignored; another
+  count fails the cell).
 * ``decode_tok_s`` = (N - 1) / (T_N - T_1) for each repeat's pair, so the prompt read drops out.
+* ``decode_phase_tok_s`` = (N - 1) / decode_s from the engine's own phase timers inside each warm
+  N-token call (stepping engines; see ``engines.base``), beside the articles' method; engines that
+  cannot split a call say so in ``outputs.phase_timers``.
 * ``decode_streamed_tok_s``: the same for engines that read tokens back themselves, with every
   token read to the host as it is made (``read_every=1``), beside the run's own ``read_every``.
 * ``memory_with_cache``: after the first call, when every cache is allocated; ``cache_bytes_from_shape``
@@ -13,32 +17,44 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 
 from __future__ import annotations
 
-from decodebench.config import check_fits
 from decodebench.evidence import samples, scalar
 from engines.base import Generation
-from experiments.common import Cell, Result, answer, prompt_ids, timed
+from experiments.cell import Cell, MethodError
+from experiments.common import Result, answer, prompt_ids
 
 
-def timed_pair(cell: Cell, ids: list[int]) -> tuple[float, Generation, float]:
-    """A warm 1-token call and a warm N-token call on ``ids``: (T_1, the N-token generation, T_N)."""
-    device, engine, n = cell.device, cell.engine, cell.cfg.max_new_tokens
-    _, t1 = timed(device, lambda: engine.generate(ids, 1))
-    gen, tn = timed(device, lambda: engine.generate(ids, n))
-    return t1, gen, tn
-
-
-def warm_pairs(cell: Cell, ids: list[int], expected: list[int]) -> tuple[list[float], list[float], list[float]]:
-    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair."""
+def warm_pairs(
+    cell: Cell, ids: list[int], expected: list[int]
+) -> tuple[list[float], list[float], list[float], list[Generation]]:
+    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair, and each N-token call."""
     n = cell.cfg.max_new_tokens
-    warm_1, warm_n, rates = [], [], []
+    warm_1, warm_n, rates, calls = [], [], [], []
     for _ in range(cell.cfg.repeats):
-        t1, gen, tn = timed_pair(cell, ids)
+        t1, gen, tn = cell.timed_pair(ids)
         if gen.tokens != expected:
-            raise RuntimeError("a warm greedy call wrote different tokens from the first call")
+            raise MethodError("a warm greedy call wrote different tokens from the first call")
         warm_1.append(t1)
         warm_n.append(tn)
         rates.append((n - 1) / (tn - t1))
-    return warm_1, warm_n, rates
+        calls.append(gen)
+    return warm_1, warm_n, rates, calls
+
+
+def phase_rates(cell: Cell, calls: list[Generation], result: Result) -> None:
+    """``decode_phase_tok_s`` and ``read_phase_s`` from the engine's own timers, or why there are none."""
+    engine, n = cell.engine, cell.cfg.max_new_tokens
+    if not engine.splits_phases:
+        result.outputs["phase_timers"] = (
+            f"engine {engine.name} cannot split one call into prompt read and decode "
+            "(Transformers' generate does both inside one call); only (N-1)/(T_N-T_1) is measured"
+        )
+        return
+    rates = [(n - 1) / gen.decode_s for gen in calls]
+    reads = [gen.read_s for gen in calls]
+    result.measurements["decode_phase_tok_s"] = samples(rates, "tok/s", formula="(N-1)/decode_s, engine timers")
+    result.measurements["read_phase_s"] = samples(reads, "s", method="engine timer: prompt read to first token")
+    result.samples.update(decode_phase_tok_s=rates, read_phase_s=reads)
+    result.outputs["phase_timers"] = "engine timers inside each warm N-token call, device-synced at each boundary"
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
@@ -52,23 +68,23 @@ def run(cell: Cell, result: Result | None = None) -> Result:
             "warm_1_s": "warm generate(1), device.sync() before and after",
             "warm_n_s": "warm generate(N), EOS ignored, device.sync() before and after",
             "decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair",
+            "decode_phase_tok_s": "(N-1) / decode_s, the engine's own timer inside each warm generate(N)",
         }
     )
-    engine.prepare()
+    cell.prepare()
     ids = prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)
-    check_fits(cfg.context, len(ids), n)
-    engine.check_fits(len(ids), n)
+    cell.require_fit(len(ids))
     device.reset_peak()
-    _, load_s = timed(device, engine.load)
-    engine.loaded = True
+    cell.load()
     after_load = device.memory_now()
 
-    first, first_s = timed(device, lambda: engine.generate(ids, n))
+    first, first_s = cell.timed_call(ids, n)
     with_cache = device.memory_now()
-    warm_1, warm_n, rates = warm_pairs(cell, ids, first.tokens)
+    warm_1, warm_n, rates, calls = warm_pairs(cell, ids, first.tokens)
+    phase_rates(cell, calls, result)
     if engine.streams and cfg.read_every != 1:  # the streaming tip: the same calls, each token read at once
         with engine.reading_every(1):
-            _, _, streamed = warm_pairs(cell, ids, first.tokens)
+            _, _, streamed, _ = warm_pairs(cell, ids, first.tokens)
         result.measurements["decode_streamed_tok_s"] = samples(
             streamed, "tok/s", formula="(N-1)/(T_N-T_1), read_every=1"
         )
@@ -87,7 +103,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         )
 
     result.measurements.update(
-        load_s=scalar(load_s, "s"),
+        load_s=scalar(cell.load_s, "s"),
         first_call_s=scalar(first_s, "s"),
         warm_1_s=samples(warm_1, "s"),
         warm_n_s=samples(warm_n, "s"),

@@ -163,6 +163,16 @@ impl Engine {
         Ok(d.into())
     }
 
+    /// The last decode's phase seconds: `read_s` (the prompt read, up to the first token on the
+    /// host) and `decode_s` (from then until the last token on the host).
+    #[getter]
+    fn timers(&self, py: Python<'_>) -> PyResult<PyObject> {
+        let d = PyDict::new(py);
+        d.set_item("read_s", self.model.timers.0)?;
+        d.set_item("decode_s", self.model.timers.1)?;
+        Ok(d.into())
+    }
+
     /// Bytes held by the K/V buffers, from their shapes.
     #[getter]
     fn cache_bytes(&self) -> i64 {

@@ -3,6 +3,7 @@
 //! full-attention layers keep one slot per position, sliding layers a ring of window + piece slots
 //! with a record of the position each slot holds, KV-shared layers read their source layer.
 use std::collections::HashMap;
+use std::time::Instant;
 
 use crate::aten::{AtenError, Result, Tensor};
 
@@ -81,6 +82,8 @@ pub struct Model {
     inv_freq: [Tensor; 2], // [full, sliding]
     layers: Vec<Layer>,
     ring: Ring,
+    /// The last decode's phase seconds: (prompt read to the first token on the host, the rest).
+    pub timers: (f64, f64),
 }
 
 pub enum Finish {
@@ -179,6 +182,7 @@ impl Model {
             inv_freq,
             layers,
             ring,
+            timers: (0.0, 0.0),
         })
     }
 
@@ -302,7 +306,9 @@ impl Model {
 
     /// Greedy decode: at most `max_new` tokens. Tokens stay on the device and are read to the host
     /// every `read_every` tokens, when `on_batch` gets them (it may return false to cancel); a token in
-    /// `stop` ends the answer (checked at each read, the tokens after it dropped).
+    /// `stop` ends the answer (checked at each read, the tokens after it dropped). `timers` gets the
+    /// phase seconds: from the call's start until the first token is read back (the prompt read, a
+    /// device wait), and from then until the last token is on the host.
     pub fn decode(
         &mut self,
         ids: &[i64],
@@ -312,13 +318,16 @@ impl Model {
         mut on_batch: impl FnMut(&[i64]) -> bool,
         mut keep_logits: Option<&mut Vec<Tensor>>,
     ) -> Result<(Vec<i64>, Finish)> {
+        let start = Instant::now();
         self.ring.ring_pos.fill_(-1.0)?;
         self.ring.full_pos.fill_(-1.0)?;
         let mut logits = self.read_prompt(ids)?;
+        logits.argmax_last()?.to_i64s()?; // waits for the device: the prompt read ends here
+        let first = Instant::now();
         let valid = Tensor::full_i64(1, 1, &self.like)?.ge_scalar(1.0)?;
         let mut position = Tensor::full_i64(1, ids.len() as i64, &self.like)?;
         let (mut out, mut pending, mut made) = (Vec::new(), Vec::new(), 0);
-        loop {
+        let finish = loop {
             let token = logits.argmax_last()?.reshape(&[1])?;
             if let Some(kept) = keep_logits.as_deref_mut() {
                 kept.push(logits);
@@ -337,17 +346,19 @@ impl Model {
                 out.extend_from_slice(&batch);
                 let go_on = on_batch(&batch);
                 if stop_at.is_some() {
-                    return Ok((out, Finish::Stop));
+                    break Finish::Stop;
                 }
                 if !go_on {
-                    return Ok((out, Finish::Cancelled));
+                    break Finish::Cancelled;
                 }
                 if made >= max_new {
-                    return Ok((out, Finish::Length));
+                    break Finish::Length;
                 }
             }
             logits = self.forward(&token, position.add_i64(0)?, &valid, 0)?;
             position = position.add_i64(1)?;
-        }
+        };
+        self.timers = (first.duration_since(start).as_secs_f64(), first.elapsed().as_secs_f64());
+        Ok((out, finish))
     }
 }

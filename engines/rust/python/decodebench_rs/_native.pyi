@@ -26,3 +26,6 @@ class Engine:
     def layout(self) -> dict[str, int]: ...
     @property
     def cache_bytes(self) -> int: ...
+    @property
+    def timers(self) -> dict[str, float]:
+        """The last decode's read_s and decode_s."""
