@@ -100,9 +100,7 @@ def main() -> None:
             sys.exit(f"build_rust: {exc}")
     if source == "debian" and not debian_crates_present():
         subprocess.run(["apt-get", "update", "-qq"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-qq", *DEBIAN_PACKAGES], check=True, stdout=subprocess.DEVNULL
-        )
+        subprocess.run(["apt-get", "install", "-y", "-qq", *DEBIAN_PACKAGES], check=True, stdout=subprocess.DEVNULL)
     configure(source)
     maturin = Path(args.venv) / "bin" / "maturin"
     env = {**os.environ, "VIRTUAL_ENV": args.venv}
