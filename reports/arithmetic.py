@@ -38,6 +38,8 @@ class Entry:
     result: float | None
     unit: str
     notes: list[str] = field(default_factory=list)
+    stated: str | None = None  # a published figure's printed value, as printed
+    agrees: bool | None = None  # the result rounds to ``stated`` at its printed precision
 
     def text(self) -> str:
         lines = [f"[{self.key}]", f"what:    {self.what}", f"formula: {self.formula}"]
@@ -65,8 +67,18 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
-def render(entries: list[Entry]) -> str:
-    return HEADER + "\n" + "\n\n".join(e.text() for e in entries) + "\n"
+NOTHING_MEASURED = "nothing measured yet: no ok decode cell in the evidence (run `make demo` or `python run.py`)"
+
+
+def render(measured: list[Entry], recomputed: list[Entry]) -> str:
+    """Measured entries first (or a line saying there are none), then the articles' recomputed ones."""
+    sections = [
+        "# ---- measured: derived from evidence/runs/ ----",
+        "\n\n".join(e.text() for e in measured) if measured else NOTHING_MEASURED,
+        "# ---- published: the articles' own derived figures, recomputed from evidence/published/ ----",
+        "\n\n".join(e.text() for e in recomputed),
+    ]
+    return HEADER + "\n" + "\n\n".join(sections) + "\n"
 
 
 # ---------------------------------------------------------------- measured ----------------------------------------
@@ -87,8 +99,6 @@ def _rate_input(name: str, row: pd.Series) -> Input:
 def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
     """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype."""
     entries = []
-    if decode.empty:
-        return entries
     same = ["model", "checkpoint", "device", "device_name", "context", "dtype", "new_tokens"]
     for _, group in decode.groupby(same, sort=True):
         base = group[(group.engine == "generate") & (group.read_every == 0)]
@@ -256,7 +266,35 @@ def roofline(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[En
     return entries
 
 
+def measured(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[Entry]:
+    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode cell is ok."""
+    if decode.empty:
+        return []
+    return [*decode_ratios(decode), *jax_gap(decode), *costs(decode), *roofline(decode, shapes)]
+
+
 # ---------------------------------------------------------------- published ---------------------------------------
+
+
+def agrees_as_printed(result: float, printed: str) -> bool:
+    """True when ``result``, rounded to the precision ``printed`` shows, reads exactly ``printed``.
+
+    The precision is the printed string's own, trailing zeros included: "25.0" has one decimal, so
+    25.08 reads "25.1" and does not agree; "130.8" needs 130.75 <= result < 130.85; "6601" needs
+    the integer; "0.0e+00" compares in the same exponent form with one mantissa decimal.
+    """
+    text = printed.strip().replace("_", "")
+    if "e" in text.lower():
+        mantissa = text.lower().split("e")[0]
+        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        return _unsigned_zero(f"{result:.{decimals}e}") == _unsigned_zero(f"{float(text):.{decimals}e}")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return _unsigned_zero(f"{result:.{decimals}f}") == text
+
+
+def _unsigned_zero(text: str) -> str:
+    """ "-0.0" reads as "0.0": a negative result that rounds to zero agrees with a printed zero."""
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str, Any]]]) -> list[Entry]:
@@ -266,21 +304,10 @@ def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str
         table = figures[name].set_index("id")
         for item in derived[name]:
             source = f"evidence/published/{name}.yaml"
+            key, stated = f"published/{name}/{item['id']}", str(item["stated"])
             if not item.get("formula"):
-                entries.append(
-                    Entry(
-                        f"published/{name}/{item['id']}",
-                        item["statement"],
-                        "not recomputable",
-                        [],
-                        None,
-                        item["unit"],
-                        [
-                            item.get("note", "the article does not print the inputs"),
-                            f"stated: {item['stated']} {item['unit']}",
-                        ],
-                    )
-                )
+                notes = [item.get("note", "the article does not print the inputs"), f"stated: {stated} {item['unit']}"]
+                entries.append(Entry(key, item["statement"], "not recomputable", [], None, item["unit"], notes, stated))
                 continue
             inputs, env = [], {}
             for var, ref in sorted(item["inputs"].items()):
@@ -290,28 +317,12 @@ def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str
                 env[var] = float(value)
                 inputs.append(Input(var, float(value), fig["unit"], f"{source}#{ref}"))
             result = float(pd.eval(item["formula"], local_dict=env, engine="python"))
-            stated = float(item["stated"])
-            digits = max(0, -int(math.floor(math.log10(abs(stated) / 100)))) if stated else 2
-            agrees = round(result, min(digits, 6)) == round(stated, min(digits, 6)) or _rounds_to(result, stated)
-            notes = [f"stated: {stated:g} {item['unit']} ({'agrees' if agrees else 'differs'}); {item['source']}"]
+            agrees = agrees_as_printed(result, stated)
+            verdict = "agrees at the printed precision" if agrees else "differs at the printed precision"
+            notes = [f"stated: {stated} {item['unit']} ({verdict}); {item['source']}"]
             if item.get("note"):
                 notes.append(item["note"])
             entries.append(
-                Entry(
-                    f"published/{name}/{item['id']}",
-                    item["statement"],
-                    item["formula"],
-                    inputs,
-                    result,
-                    item["unit"],
-                    notes,
-                )
+                Entry(key, item["statement"], item["formula"], inputs, result, item["unit"], notes, stated, agrees)
             )
     return entries
-
-
-def _rounds_to(result: float, stated: float) -> bool:
-    """True when ``result`` rounded to the decimals ``stated`` was printed with equals ``stated``."""
-    text = f"{stated:g}"
-    decimals = len(text.split(".")[1]) if "." in text else 0
-    return round(result, decimals) == stated

@@ -61,6 +61,11 @@ def load(folder: Path) -> Published:
             raise PublishedDataError(f"{path}: duplicate figure ids {sorted(set(frame.id[frame.id.duplicated()]))}")
         known = set(frame.id)
         for item in data.get("derived") or []:
+            if not isinstance(item.get("stated"), str):
+                raise PublishedDataError(
+                    f"{path}: derived {item.get('id', '?')} stated={item.get('stated')!r} must be the printed "
+                    'string, quoted (e.g. "25.0"): its precision decides whether a recomputed value agrees'
+                )
             for ref in (item.get("inputs") or {}).values():
                 if ref.partition(".")[0] not in known:
                     raise PublishedDataError(f"{path}: derived {item['id']} cites unknown figure {ref}")

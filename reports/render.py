@@ -25,7 +25,7 @@ RECALL_METRICS = ["prompt_tokens", "read_tok_s", "decode_tok_s", "answer_code", 
 
 @dataclass
 class Outputs:
-    report: Path
+    report: Path | None  # None: no evidence yet, so no report
     arithmetic: Path
     plots: list[Path]
 
@@ -58,23 +58,19 @@ def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
     return {k: sorted(v, key=rank) for k, v in out.items()}
 
 
-def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs | None:
-    """Renders both files (and the plots beside the report); None when there is no evidence at all."""
+def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs:
+    """Renders both files (and the plots beside the report). With no evidence at all, only
+    ``arithmetic.txt`` is written (the articles' figures recomputed, nothing measured) and the report is None."""
     ev = aggregate.load(evidence_dir, REPO)
-    if not ev.records and not ev.warnings:
-        return None
     pub = published_data.load(published_dir)
     decode = aggregate.decode_table(ev.cells)
     shapes = {f: r["model"].get("shape") for f, r in ev.records.items() if r["model"].get("shape")}
-    measured = [
-        *arithmetic.decode_ratios(decode),
-        *arithmetic.jax_gap(decode),
-        *arithmetic.costs(decode),
-        *arithmetic.roofline(decode, shapes),
-    ]
+    measured = arithmetic.measured(decode, shapes)
     recomputed = arithmetic.published(pub.figures, pub.derived)
     arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
-    arithmetic_out.write_text(arithmetic.render(measured + recomputed))
+    arithmetic_out.write_text(arithmetic.render(measured, recomputed))
+    if not ev.records and not ev.warnings:
+        return Outputs(None, arithmetic_out, [])
 
     report.parent.mkdir(parents=True, exist_ok=True)
     made = [
@@ -134,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arithmetic", type=Path, default=REPO / "evidence" / "arithmetic.txt")
     args = parser.parse_args(argv)
     out = build(args.evidence, args.published, args.report, args.arithmetic)
-    if out is None:
-        print(f"nothing to report: no evidence files under {args.evidence} (run `make demo` or `python run.py`)")
+    if out.report is None:
+        print(f"arithmetic: {out.arithmetic} (the articles' figures only)")
+        print(f"no report: no evidence files under {args.evidence} (run `make demo` or `python run.py`)")
         return 0
     for p in out.plots:
         print(f"plot:       {p}")

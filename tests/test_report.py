@@ -75,15 +75,66 @@ def test_a_corrupt_file_is_named_and_the_rest_renders(evidence_dir, tmp_path):
     assert "| ring |" in report
 
 
-def test_empty_evidence_says_nothing_to_report(tmp_path, capsys):
-    assert (
-        render.main(
-            ["--evidence", str(tmp_path), "--report", str(tmp_path / "R.md"), "--arithmetic", str(tmp_path / "a.txt")]
-        )
-        == 0
-    )
-    assert "nothing to report" in capsys.readouterr().out
+def test_empty_evidence_still_writes_the_articles_arithmetic(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    args = ["--evidence", str(runs), "--report", str(tmp_path / "R.md"), "--arithmetic", str(tmp_path / "a.txt")]
+    assert render.main(args) == 0
+    assert "no report: no evidence files" in capsys.readouterr().out
     assert not (tmp_path / "R.md").exists()
+    text = (tmp_path / "a.txt").read_text()
+    assert arithmetic.NOTHING_MEASURED in text
+    pub = published.load(PUBLISHED)
+    derived = sum(len(items) for items in pub.derived.values())
+    assert text.count("[published/") == derived > 60
+
+
+@pytest.mark.parametrize(
+    ("result", "printed", "agrees"),
+    [
+        (130.71, "130.8", False),  # nb03: values of 100 or more are compared at their decimals
+        (130.76, "130.8", True),
+        (143.98, "143.6", False),  # nb01
+        (25.08, "25.0", False),  # nb04: the trailing zero is a printed decimal
+        (25.04, "25.0", True),
+        (14.816, "14.8", True),
+        (14.864, "14.8", False),
+        (6601.4, "6601", True),
+        (6601.6, "6601", False),
+        (0.0, "0.0e+00", True),
+        (-0.0, "0.0e+00", True),
+        (1e-9, "0.0e+00", False),  # e-notation precision is relative: 1.0e-09
+        (0.04, "0.0", True),
+        (1.2e-3, "1.1e-03", False),
+        (13.664, "13.66", True),
+    ],
+)
+def test_agrees_only_at_the_printed_precision(result, printed, agrees):
+    assert arithmetic.agrees_as_printed(result, printed) is agrees
+
+
+def test_the_three_entries_that_used_to_say_agrees_now_differ():
+    pub = published.load(PUBLISHED)
+    entries = {e.key: e for e in arithmetic.published(pub.figures, pub.derived)}
+    for key in (
+        "nb03_jax_bf16_decode_tok_s_from_times",
+        "nb01_compile_tflop_s_from_step",
+        "nb04_jax_bf16_x_generate_min",
+    ):
+        entry = entries[f"published/torchtpu-colab/{key}"]
+        assert entry.agrees is False and "differs at the printed precision" in entry.notes[0]
+        assert len(entry.notes) > 1, "a differing entry explains the article's rounding"
+    for entry in entries.values():
+        if entry.result is not None:
+            assert entry.agrees == arithmetic.agrees_as_printed(entry.result, entry.stated)
+
+
+def test_a_stated_number_that_is_not_the_printed_string_is_refused(tmp_path):
+    data = yaml.safe_load((PUBLISHED / "rust-torchtpu.yaml").read_text())
+    data["derived"][0]["stated"] = 25.0
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(published.PublishedDataError, match="must be the printed string"):
+        published.load(tmp_path)
 
 
 def row(**values) -> pd.Series:
@@ -142,7 +193,7 @@ def test_published_data_loads_and_recomputes_the_articles():
     assert set(pub.figures) == {"torchtpu-colab", "rust-torchtpu"}
     entries = {e.key: e for e in arithmetic.published(pub.figures, pub.derived)}
     cost = entries["published/rust-torchtpu/cost_vllm_usd_per_mtok"]
-    assert cost.result == pytest.approx(0.60 / (144.1 * 3600) * 1e6) and "(agrees)" in cost.notes[0]
+    assert cost.result == pytest.approx(0.60 / (144.1 * 3600) * 1e6) and cost.agrees
     assert entries["published/rust-torchtpu/vllm_vs_rust"].result == pytest.approx(144.1 / 12.20)
     figures = pub.all_figures()
     assert (figures.unit.notna()).all() and (figures.source.str.len() > 0).all()
@@ -158,7 +209,7 @@ def test_published_loader_rejects_bad_entries(tmp_path):
                 "inputs": {"a": "no_such_figure"},
                 "formula": "a",
                 "statement": "s",
-                "stated": 1,
+                "stated": "1",
                 "unit": "x",
                 "source": "s",
             }
