@@ -24,7 +24,9 @@ FIGURE_COLUMNS = [
     "max",
     "unit",
     "source",
+    "note",
 ]
+PRINTED = ("value", "min", "max")  # each also kept as printed, e.g. "3.00", in printed_<field>
 
 
 @dataclass
@@ -57,6 +59,9 @@ def load(folder: Path) -> Published:
             if row.get("value") is None and (row.get("min") is None or row.get("max") is None):
                 raise PublishedDataError(f"{path}: figure {row['id']} has neither a value nor a min-max range")
         frame = pd.DataFrame(rows, columns=FIGURE_COLUMNS)
+        printed = _printed_scalars(path)
+        for column in PRINTED:
+            frame[f"printed_{column}"] = [printed.get(i, {}).get(column) for i in frame.id]
         if frame.id.duplicated().any():
             raise PublishedDataError(f"{path}: duplicate figure ids {sorted(set(frame.id[frame.id.duplicated()]))}")
         known = set(frame.id)
@@ -75,8 +80,72 @@ def load(folder: Path) -> Published:
     return Published(articles, figures, derived)
 
 
+def _printed_scalars(path: Path) -> dict[str, dict[str, str]]:
+    """Each figure's value, min and max exactly as the file spells them (YAML would read "3.00" as 3.0)."""
+    root = yaml.compose(path.read_text())
+    out: dict[str, dict[str, str]] = {}
+    figures = next((v for k, v in root.value if k.value == "figures"), None)
+    for item in figures.value if figures is not None else []:
+        fields = {k.value: v.value for k, v in item.value if isinstance(v, yaml.ScalarNode)}
+        out[fields.get("id", "")] = {k: fields[k] for k in PRINTED if fields.get(k) not in (None, "null", "~")}
+    return out
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and pd.isna(value))
+
+
 def span(row: pd.Series) -> str:
     """A published figure as printed: a value, or 'min to max'."""
-    if row["value"] is not None and not (isinstance(row["value"], float) and pd.isna(row["value"])):
-        return f"{row['value']:g}" if isinstance(row["value"], int | float) else str(row["value"])
-    return f"{row['min']:g} to {row['max']:g}"
+    if _present(row["value"]):
+        return row.get("printed_value") or str(row["value"])
+    return f"{row.get('printed_min') or row['min']} to {row.get('printed_max') or row['max']}"
+
+
+def twin(checkpoint: Any) -> str | None:
+    """Which twin a checkpoint is: ``emb4`` (int4 vocabulary tables) or ``ct-text``; None when unstated."""
+    if not _present(checkpoint) or not checkpoint:
+        return None
+    return "emb4" if str(checkpoint).endswith("-emb4") or "(-emb4)" in str(checkpoint) else "ct-text"
+
+
+def comparator(figures: pd.DataFrame, engine: str, context: int, checkpoint_twin: str | None) -> str:
+    """The published decode rate to set beside a measured cell: same engine, the same twin where the
+    article says which, and the nearest published context, labelled; "–" when no figure matches."""
+    rates = figures[(figures.metric == "decode_tok_s") & (figures.engine == engine)].copy()
+    if rates.empty:
+        return "–"
+    rates["twin"] = rates.checkpoint.map(twin)
+    same_twin = rates[rates.twin == checkpoint_twin]
+    rates = same_twin if not same_twin.empty else rates
+    rates["distance"] = [abs(c - context) if _present(c) else float("inf") for c in rates.context]
+    rates["headline"] = ~rates.table.fillna("").str.contains("Headline")
+    best = rates.sort_values(["distance", "headline", "id"]).iloc[0]
+    if not _present(best.context):
+        where = "context not stated (short prompt)"
+    elif int(best.context) == context:
+        where = f"context {int(best.context)}"
+    else:
+        where = f"nearest published context {int(best.context)}"
+    mismatch = "" if best.twin == checkpoint_twin else f", checkpoint {best.twin or 'not stated'}"
+    return f"{span(best)} ({where}{mismatch}; {best.article}: {best.table})"
+
+
+RECALL_COLUMNS = ["prompt_tokens", "read_s", "read_tok_s", "decode_tok_s", "answer_code", "found", "record",
+                  "laptop_answer_code", "same_as_laptop"]  # fmt: skip
+
+
+def recall_table(figures: pd.DataFrame) -> pd.DataFrame:
+    """The Colab article's Step 11 recall table in its own shape: one row per prompt, values as printed."""
+    step11 = figures.table.fillna("").str.startswith("Step 11:")
+    rows = figures[step11 & figures.way.str.contains(", prompt ")]  # not the graphs-after-every-prompt line
+    table: dict[tuple[int, str], dict[str, Any]] = {}
+    for _, fig in rows.iterrows():
+        laptop = ", laptop answer" in fig.way
+        key = (int(fig.context), fig.way.replace(", laptop answer", ""))
+        column = "laptop_answer_code" if laptop and fig.metric == "answer_code" else fig.metric
+        entry = table.setdefault(key, {"context": key[0]})
+        text = span(fig)
+        entry[column] = {"1": "yes", "0": "no"}.get(text, text) if column in ("found", "same_as_laptop") else text
+    ordered = sorted(table.values(), key=lambda e: (e["context"], int(e.get("prompt_tokens", 0))))
+    return pd.DataFrame(ordered, columns=["context", *RECALL_COLUMNS])

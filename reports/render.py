@@ -20,7 +20,6 @@ from reports import published as published_data
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-RECALL_METRICS = ["prompt_tokens", "read_tok_s", "decode_tok_s", "answer_code", "found"]
 
 
 @dataclass
@@ -92,7 +91,6 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     recall = aggregate.recall_table(ev.records)
     too_long = recall.reason.fillna("").str.contains("does not fit context")
     figures = pub.all_figures()
-    step11 = figures.table.str.contains("Step 11", na=False) & figures.metric.isin(RECALL_METRICS)
     text = env.get_template("REPORT.md.j2").render(
         cells=cells,
         decode=decode,
@@ -112,7 +110,10 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         published_derived=recomputed,
         articles=pub.articles,
         figures=figures,
-        published_recall=figures[step11],
+        published_recall=published_data.recall_table(figures),
+        comparator=lambda row: published_data.comparator(
+            figures, row.engine, int(row.context), published_data.twin(row.weights)
+        ),
         plots=[p for p in made if p],
         arithmetic_path=arithmetic_out.resolve().relative_to(REPO).as_posix()
         if arithmetic_out.resolve().is_relative_to(REPO)

@@ -222,3 +222,51 @@ def test_published_loader_rejects_bad_entries(tmp_path):
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(nameless))
     with pytest.raises(published.PublishedDataError, match="lacks source"):
         published.load(tmp_path)
+
+
+def test_comparator_matches_engine_context_and_twin():
+    figures = published.load(PUBLISHED).all_figures()
+    ring_256 = published.comparator(figures, "ring", 256, "ct-text")
+    assert ring_256.startswith("45.2") and "nearest published context 33024" in ring_256
+    assert published.comparator(figures, "ring", 131328, "emb4").startswith("38.6 to 38.7 (context 131328;")
+    table4 = published.comparator(figures, "table4", 256, "emb4")
+    assert table4.startswith("50.2 to 50.4 (context 256;")
+    compiled = published.comparator(figures, "compiled", 256, "ct-text")
+    assert compiled.startswith("31.3 to 33.4 (context 256;") and "45.1" not in compiled
+    assert published.comparator(figures, "static", 256, "ct-text").startswith("4.2 to 4.5 (context 256;")
+    assert published.comparator(figures, "no-such-engine", 256, "ct-text") == "–"
+
+
+def test_the_rust_articles_compile_row_is_not_assigned_to_an_engine():
+    figures = published.load(PUBLISHED).all_figures().set_index("id")
+    for fid in ("cmp_torch_compile_batched_tok_s", "cmp_torch_compile_streamed_tok_s"):
+        row = figures.loc[fid]
+        assert pd.isna(row.engine) and "does not say which way" in row.note and "45.2" in row.note
+
+
+def test_one_metric_name_per_quantity_and_contradictions_noted():
+    figures = published.load(PUBLISHED).all_figures().set_index("id")
+    after_load = ["nb04_after_load_bf16_table_gb", "mem_ring_33024_after_load_gb", "cmp_ring_hbm_after_load_gb"]
+    assert set(figures.loc[after_load].metric) == {"memory_after_load_gb"}
+    capacity = ["setup_chip_hbm_gb", "mem_chip_hbm_gib", "mem_chip_hbm_gb", "nb05_laptop_gpu_memory_gb"]
+    assert set(figures.loc[capacity].metric) == {"device_memory_capacity"}
+    assert figures.loc["setup_chip_hbm_gb"].unit == "GB" and figures.loc["mem_chip_hbm_gib"].unit == "GiB"
+    for fid in ("setup_chip_hbm_gb", "sw_full_context_tokens", "cmp_ring_first_call_s", "sw_ring_compile_s"):
+        assert "contradicts itself" in figures.loc[fid].note
+
+
+def test_published_figures_print_as_printed_and_recall_in_the_articles_shape():
+    figures = published.load(PUBLISHED).all_figures()
+    by_id = figures.set_index("id")
+    assert published.span(by_id.loc["nb01_compile_first_call_s"]) == "3.00"
+    recall = published.recall_table(figures)
+    assert len(recall) == 5 and list(recall.context) == [33024, 33024, 33024, 131328, 131328]
+    first = recall.iloc[0]
+    assert (first.prompt_tokens, first.read_tok_s, first.decode_tok_s, first.answer_code, first.found) == (
+        "61",
+        "1218",
+        "45.2",
+        "915965",
+        "yes",
+    )
+    assert recall.iloc[-1].found == "no" and recall.iloc[-1].same_as_laptop == "yes"
