@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from decodebench import evidence, hardware
 from decodebench.checkpoint import CheckpointError
-from decodebench.config import ConfigError, validate
+from decodebench.config import ConfigError, validate, validate_sweep
 from decodebench.device import DeviceUnavailable, resolve_device
 from decodebench.environment import capture
 from engines import engine_class
@@ -38,6 +38,11 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     """Runs the cell and writes its evidence file; returns the record (None when resumed past)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("defaults", None)
+    try:
+        validate_sweep(str(cfg.sweep))
+    except ConfigError as exc:  # no safe folder to write this cell's evidence into
+        print(f"[failed] nothing written: {exc}", file=sys.stderr, flush=True)
+        return {"status": "failed", "reason": str(exc)}
     path = evidence_path(cfg, config)
     if cfg.resume and evidence.finished_ok(path):
         log.info("resume: %s is already ok, skipped", path)

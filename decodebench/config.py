@@ -7,6 +7,7 @@ model is loaded.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,8 +238,68 @@ class ConfigError(ValueError):
     """A configuration that cannot run, with the numbers that make it so."""
 
 
+SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+POSITIVE_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "full_attention_every",
+    "sliding_window",
+    "hidden_size_per_layer_input",
+    "max_position_embeddings",
+    "tokenizer_vocab",
+)
+HARDWARE_NUMBERS = ("price_usd_per_hour", "memory_gb", "memory_bandwidth_gb_s", "peak_bf16_tflops")
+
+
+def validate_sweep(sweep: str) -> None:
+    """A sweep name is one folder name under ``evidence_dir``, never a path."""
+    if not SWEEP_NAME.fullmatch(sweep) or ".." in sweep:
+        raise ConfigError(
+            f"sweep={sweep!r} is not a folder name: use letters, digits, '.', '_' and '-' "
+            "(no '/', no '..', not starting with '.'); evidence goes to evidence_dir/<sweep>/"
+        )
+
+
+def validate_synthetic_shape(model: Any) -> None:
+    """The rules a synthetic Gemma 4 shape must follow before it is built, each named with its value."""
+    for name in POSITIVE_SHAPE_FIELDS:
+        if getattr(model, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(model, name)} must be at least 1")
+    if model.num_attention_heads % model.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} must be a multiple of "
+            f"model.num_key_value_heads={model.num_key_value_heads} (grouped-query attention)"
+        )
+    for name in ("head_dim", "global_head_dim"):
+        if getattr(model, name) % 2:
+            raise ConfigError(f"model.{name}={getattr(model, name)} must be even (RoPE rotates pairs)")
+    layers, shared, every = model.num_hidden_layers, model.num_kv_shared_layers, model.full_attention_every
+    kinds = ["full" if (i + 1) % every == 0 else "sliding" for i in range(layers)]
+    if not 0 <= shared < layers or not set(kinds[layers - shared :]) <= set(kinds[: layers - shared]):
+        raise ConfigError(
+            f"model.num_kv_shared_layers={shared} must leave, among the first num_hidden_layers - "
+            f"num_kv_shared_layers layers, one of each attention type the shared layers use (their K/V "
+            f"source); with num_hidden_layers={layers} and full_attention_every={every} the layers are {kinds}"
+        )
+
+
 def validate(cfg: Any) -> None:
     """Checks that need no model: raises ConfigError with every offending value named."""
+    validate_sweep(str(cfg.sweep))
+    for name in HARDWARE_NUMBERS:
+        value = getattr(cfg.hardware, name, None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"hardware.{name}={value} must be positive (or null: unknown)")
+    if cfg.model.source == "synthetic":
+        validate_synthetic_shape(cfg.model)
+    if getattr(cfg.experiment, "repeats", 1) < 1:
+        raise ConfigError(f"experiment.repeats={cfg.experiment.repeats} must be at least 1")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.max_new_tokens < 2:
