@@ -9,11 +9,13 @@ import sys
 
 import hydra
 from omegaconf import DictConfig
+from transformers.utils import logging as transformers_logging
 
 from decodebench.cli import is_multirun, run_cell
 from decodebench.config import register_configs
 
 register_configs()
+transformers_logging.disable_progress_bar()  # one line per cell: no per-cell "Loading weights" bar
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

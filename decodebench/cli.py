@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import logging
 import sys
 import traceback
 from pathlib import Path
@@ -25,9 +24,7 @@ from engines.base import DTYPES, EngineContext, EngineLimit
 from experiments import EXPERIMENTS
 from experiments.cell import Cell, MethodError
 
-log = logging.getLogger("decodebench")
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
-_written: list[tuple[str, Path]] = []  # (status, path) of the cells run in this process
 
 
 def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
@@ -45,8 +42,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         return {"status": "failed", "reason": str(exc)}
     path = evidence_path(cfg, config)
     if cfg.resume and evidence.finished_ok(path):
-        log.info("resume: %s is already ok, skipped", path)
-        _written.append(("resumed", path))
+        print(f"[resumed] {path}: already ok", flush=True)
         return None
     record: dict[str, Any] = {
         "schema_version": evidence.SCHEMA_VERSION,
@@ -112,9 +108,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         record.update(status="failed", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     evidence.validate(record)
     evidence.write_atomic(path, record)
-    _written.append((record["status"], path))
     stream = sys.stdout if record["status"] != "failed" else sys.stderr
-    print(f"[{record['status']}] {path}{_headline(record)}", file=stream, flush=True)
+    print(f"[{record['status']}] {path}: {_headline(record)}", file=stream, flush=True)
     return record
 
 
@@ -126,24 +121,39 @@ def release(engine: Any) -> None:
 
 
 def _headline(record: dict[str, Any]) -> str:
+    """The cell's one line: the reason, or its decode rate (or parity verdict)."""
     if record["status"] != "ok":
-        return f"\n  reason: {record['reason']}"
+        return str(record["reason"]).splitlines()[0]
     rate = record["measurements"].get("decode_tok_s")
     synthetic = " (synthetic weights)" if record["model"].get("synthetic") else ""
-    return f"\n  decode {rate['median']:.2f} tok/s median of {rate['n']}{synthetic}" if rate else ""
+    if rate:
+        return f"decode {rate['median']:.2f} tok/s median of {rate['n']}{synthetic}"
+    return f"parity {record['outputs']['verdict']}" if "verdict" in record["outputs"] else "done"
 
 
 def is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def summarise(folder: Path) -> str:
+    """A sweep folder's cells counted by status, then every cell that is not ok with its reason."""
+    counts: dict[str, int] = {}
+    lines = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = evidence.read(path)
+        except (OSError, ValueError) as exc:
+            record = {"status": "unreadable", "reason": str(exc)}
+        counts[record["status"]] = counts.get(record["status"], 0) + 1
+        if record["status"] != "ok":
+            lines.append(f"  {record['status']:8s} {path}: {str(record['reason']).splitlines()[0]}")
+    total = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no cells"
+    return "\n".join([f"sweep {folder}: {total}", *lines])
+
+
 class SweepSummary(Callback):
-    """After a multirun: one line per cell, so a failure in the middle is not lost in the log."""
+    """After a multirun: the sweep folder's counts and every cell that is not ok, so a failure in the
+    middle is not lost in the log."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        counts: dict[str, int] = {}
-        print("\nsweep summary:")
-        for status, path in _written:
-            counts[status] = counts.get(status, 0) + 1
-            print(f"  {status:8s} {path}")
-        print("  " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        print("\n" + summarise(Path(config.evidence_dir) / str(config.sweep)), flush=True)
