@@ -62,7 +62,7 @@ def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
     ``tables='int4'`` picks the ``-emb4`` twin, ``'bf16'`` the ``-ct-text`` one.
     """
     if model_cfg.source == "synthetic":
-        from scripts.make_checkpoint import ensure_synthetic
+        from decodebench.synthetic import ensure_synthetic
 
         built = ensure_synthetic(model_cfg, cache_dir)
         path = built.emb4 if tables == "int4" else built.w4a16

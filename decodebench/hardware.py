@@ -1,17 +1,26 @@
-"""Hardware facts for derived figures: from ``conf/hardware/<name>.yaml``, bandwidth measured when unknown."""
+"""Hardware facts for derived figures: ``conf/hardware/<name>.yaml``, plus a bandwidth measurement.
+
+``facts`` is a pure function of the config and the device. Where a facts file gives no memory
+bandwidth, ``bandwidth`` measures it once per host, device and sweep (best of many copies) and keeps
+the measurement beside the cache, so every cell of a sweep divides by the same denominator; each
+cell's evidence records the measurement it used, with the file it came from.
+"""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from decodebench import evidence
 from decodebench.config import HardwareConfig
 from decodebench.device import Device, measure_bandwidth
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 KNOWN_GPUS = {"H200": "nvidia-h200"}
+BANDWIDTH_COPIES = 10
 
 
 def auto_name(device: Device) -> str:
@@ -23,17 +32,32 @@ def auto_name(device: Device) -> str:
     return "cpu"
 
 
-def resolve(hardware_cfg: Any, device: Device) -> dict[str, Any]:
-    """The hardware block of an evidence file; a missing bandwidth is measured on ``device``."""
-    if hardware_cfg.name == "auto":
-        raw = OmegaConf.load(CONF / f"{auto_name(device)}.yaml")
-        raw.pop("defaults", None)
-        facts = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(HardwareConfig), raw))
-    else:
-        facts = OmegaConf.to_container(hardware_cfg)
-    facts["bandwidth_source"] = "facts file" if facts["memory_bandwidth_gb_s"] else "measured"
-    if not facts["memory_bandwidth_gb_s"]:
-        measured = measure_bandwidth(device)
-        facts["memory_bandwidth_gb_s"] = measured["value"]
-        facts["bandwidth_measurement"] = measured
-    return facts
+def facts(hardware_cfg: Any, device: Device) -> dict[str, Any]:
+    """The facts file's values (``auto``: the one matching the device); no measurement."""
+    if hardware_cfg.name != "auto":
+        return OmegaConf.to_container(hardware_cfg)
+    raw = OmegaConf.load(CONF / f"{auto_name(device)}.yaml")
+    raw.pop("defaults", None)
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(HardwareConfig), raw))
+
+
+def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
+    """This host's measured memory bandwidth for ``sweep``: measured by the first cell, then reused."""
+    host = socket.gethostname()
+    path = Path(cache_dir) / "bandwidth" / sweep / f"{host}-{device.kind}.json"
+    if path.is_file():
+        return {**evidence.read(path), "file": str(path)}
+    measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "host": host, "device": device.name}
+    evidence.write_atomic(path, measured)
+    return {**measured, "file": str(path)}
+
+
+def resolve(hardware_cfg: Any, device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
+    """The hardware block of an evidence file: the facts, and the sweep's bandwidth where none is given."""
+    block = facts(hardware_cfg, device)
+    block["bandwidth_source"] = "facts file" if block["memory_bandwidth_gb_s"] else "measured"
+    if not block["memory_bandwidth_gb_s"]:
+        measured = bandwidth(device, cache_dir, sweep)
+        block["memory_bandwidth_gb_s"] = measured["value"]
+        block["bandwidth_measurement"] = measured
+    return block

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from decodebench.config import register_configs
-from scripts.make_checkpoint import SyntheticCheckpoint, ensure_synthetic
+from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()

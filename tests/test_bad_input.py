@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from decodebench.cli import run_cell
+from runner import run_cell
 
 
 def test_a_sweep_name_that_is_a_path_is_refused_and_writes_nothing(cell_cfg, tmp_path, capsys):

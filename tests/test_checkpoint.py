@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decodebench.checkpoint import CheckpointError, load_model, open_checkpoint
-from scripts.make_checkpoint import build, checkpoint_key
+from decodebench.synthetic import build, checkpoint_key
 from tests.conftest import make_cfg
 
 

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from decodebench import evidence
-from decodebench.cli import run_cell
 from engines.generate import GenerateEngine
+from runner import run_cell
 from tests.conftest import REPO
 
 

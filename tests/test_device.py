@@ -40,3 +40,14 @@ def test_cpu_memory_readings_name_their_counter():
     peak = device.peak_memory()["rss"]
     assert "VmHWM" in peak.counter and peak.bytes >= now.bytes + 60 * 2**20
     del block
+
+
+def test_bandwidth_is_measured_once_per_host_and_sweep(tmp_path):
+    from decodebench import hardware
+
+    device = resolve_device("cpu")
+    first = hardware.bandwidth(device, tmp_path, "s1")
+    again = hardware.bandwidth(device, tmp_path, "s1")
+    assert again["value"] == first["value"] and again["file"] == first["file"]
+    assert len(first["samples"]) == hardware.BANDWIDTH_COPIES and first["value"] == max(first["samples"])
+    assert hardware.bandwidth(device, tmp_path, "s2")["file"] != first["file"]

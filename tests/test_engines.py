@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodebench.cli import run_cell
 from decodebench.device import resolve_device
 from engines import ENGINES
 from engines.base import EngineContext
 from engines.table4 import Int4Embedding
+from runner import run_cell
 from tests.conftest import make_cfg
 
 COMPILED = ("engine.backend=eager",)

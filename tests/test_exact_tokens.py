@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from decodebench.checkpoint import load_model, load_tokenizer, open_checkpoint
-from decodebench.cli import run_cell
 from engines.base import Generation
 from engines.generate import GenerateEngine, greedy_generate
 from experiments.common import prompt_ids
+from runner import run_cell
 from tests.conftest import make_cfg
 
 N = 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from decodebench.cli import run_cell
 from experiments import recall_prompts
 from experiments.recall import parse_code
+from runner import run_cell
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from decodebench.cli import run_cell
 from reports import arithmetic, published, render
+from runner import run_cell
 from tests.conftest import REPO
 
 PUBLISHED = REPO / "evidence" / "published"

@@ -1,4 +1,5 @@
-"""Runs one cell end to end and writes its evidence, whatever happens; summarises a multirun."""
+"""The cell runner, above the core package, the engines and the experiments: runs one cell end to
+end and writes its evidence, whatever happens; summarises a multirun from its sweep folder."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
         device = resolve_device(cfg.device.kind)
         record["environment"] = capture(device)
-        record["hardware"] = hardware.resolve(cfg.hardware, device)
+        record["hardware"] = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
         reason = engine_cls.unsupported_reason(device, cfg)
         if reason:
             record.update(status="skipped", reason=reason)

@@ -13,7 +13,7 @@ Two twins share one set of values:
 real repack does.  Every value lies on a 4-bit grid whose scales have a 4-bit mantissa, so the bf16
 tables of ``w4a16/`` equal the dequantized int4 tables of ``emb4/`` bit for bit.
 
-Run directly to build one: ``python -m scripts.make_checkpoint model=e2b-synthetic``.
+Run directly to build one: ``python -m decodebench.synthetic model=e2b-synthetic``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 from transformers import Gemma4TextConfig, GenerationConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
-from scripts.make_tokenizer import TURN_END, build_tokenizer
+from decodebench.synthetic_tokenizer import TURN_END, build_tokenizer
 
 FORMAT_VERSION = 2  # bump whenever the bytes a shape builds change (weights, tokenizer, config)
 GROUP = 32
@@ -298,7 +298,7 @@ def ensure_synthetic(model_cfg: Any, cache_dir: str | Path) -> SyntheticCheckpoi
 
 
 def main() -> None:
-    """``python -m scripts.make_checkpoint [model=tiny] [model.FIELD=VALUE ...]``: build, print the path."""
+    """``python -m decodebench.synthetic [model=tiny] [model.FIELD=VALUE ...]``: build, print the path."""
     from hydra import compose, initialize_config_dir
 
     from decodebench.config import register_configs
