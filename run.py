@@ -11,8 +11,7 @@ import hydra
 from omegaconf import DictConfig
 from transformers.utils import logging as transformers_logging
 
-from decodebench.config import register_configs
-from runner import is_multirun, run_cell
+from runner import is_multirun, register_configs, run_cell
 
 register_configs()
 transformers_logging.disable_progress_bar()  # one line per cell: no per-cell "Loading weights" bar

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -18,14 +19,25 @@ from omegaconf import DictConfig, OmegaConf
 from decodebench import evidence, hardware
 from decodebench.checkpoint import CheckpointError
 from decodebench.config import ConfigError, validate, validate_sweep
+from decodebench.config import register_configs as register_core
 from decodebench.device import DeviceUnavailable, resolve_device
 from decodebench.environment import capture
 from engines import engine_class
-from engines.base import DTYPES, EngineContext, EngineLimit
+from engines import register_configs as register_engines
+from engines.base import EngineContext, EngineLimit
 from experiments import EXPERIMENTS
+from experiments import register_configs as register_experiments
 from experiments.cell import Cell, MethodError
 
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
+
+
+def register_configs() -> None:
+    """Every structured config Hydra composes a cell from: core, engines, experiments."""
+    cs = ConfigStore.instance()
+    register_core(cs)
+    register_engines(cs)
+    register_experiments(cs)
 
 
 def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
@@ -34,8 +46,7 @@ def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
 
 def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     """Runs the cell and writes its evidence file; returns the record (None when resumed past)."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config.pop("defaults", None)
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     try:
         validate_sweep(str(cfg.sweep))
     except ConfigError as exc:  # no safe folder to write this cell's evidence into
@@ -67,7 +78,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         validate(cfg)
         engine_cls = engine_class(cfg.engine.name)
         experiment = EXPERIMENTS.get(cfg.experiment.name)
-        if experiment is None:
+        if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
         device = resolve_device(cfg.device.kind)
         record["environment"] = capture(device)
@@ -81,14 +92,14 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
                     cfg.engine,
                     cfg.model,
                     device,
-                    DTYPES[cfg.dtype],
+                    cfg.dtype.torch,
                     cfg.context,
                     cfg.cache_dir,
                     cfg.read_every,
                 )
             )
             try:
-                result = experiment(Cell(cfg, device, engine))
+                result = experiment.run(Cell(cfg, device, engine))
             finally:
                 if engine.checkpoint is not None:
                     record["model"] = {**record["model"], **engine.checkpoint.provenance}

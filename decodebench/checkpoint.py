@@ -23,6 +23,9 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, Gemma4TextConfig, PreTrainedTokenizerBase
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
+from decodebench.config import ModelSource
+from decodebench.synthetic import ensure_synthetic
+
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 INT4_TABLES = ("embed_tokens_per_layer",)  # tables a 4-bit-table engine keeps packed
@@ -61,13 +64,11 @@ def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
 
     ``tables='int4'`` picks the ``-emb4`` twin, ``'bf16'`` the ``-ct-text`` one.
     """
-    if model_cfg.source == "synthetic":
-        from decodebench.synthetic import ensure_synthetic
-
+    if model_cfg.source == ModelSource.synthetic:
         built = ensure_synthetic(model_cfg, cache_dir)
         path = built.emb4 if tables == "int4" else built.w4a16
         provenance = {"kind": "synthetic", "synthetic": True, "key": built.key, "path": str(path)}
-    elif model_cfg.source == "hub":
+    else:
         local = model_cfg.emb4_path if tables == "int4" else model_cfg.path
         hub_id = model_cfg.emb4_hub_id if tables == "int4" else model_cfg.hub_id
         if local:
@@ -76,8 +77,6 @@ def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
         else:
             path = _download(hub_id)
             provenance = {"kind": "hub", "synthetic": False, "hub_id": hub_id, "path": str(path)}
-    else:
-        raise CheckpointError(f"model.source={model_cfg.source!r} must be 'synthetic' or 'hub'")
     ckpt = open_checkpoint(path)
     ckpt.provenance.update(provenance)
     ckpt.provenance["weights"] = "int4 tables (-emb4)" if tables == "int4" else "W4A16 linears, bf16 tables"

@@ -1,20 +1,67 @@
 """Typed configuration for one benchmark cell, registered with Hydra's ConfigStore.
 
-Every group (engine, model, device, experiment, hardware) is a dataclass; the YAML files under
-``conf/`` only choose values.  ``validate`` turns a composed config into clear errors before any
-model is loaded.
+Every group (engine, model, device, experiment, hardware) is a dataclass. Choices with a fixed set
+of values are Enums, so OmegaConf rejects a bad value when the config is composed, naming the valid
+ones. Engines and experiments register their own configs (``engines.register_configs``,
+``experiments.register_configs``); devices are stored here; models and hardware are YAML files of
+facts under ``conf/``. ``validate`` checks what types cannot (ranges, shape rules) before any model
+is loaded.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 DEFAULT_PROMPT = "Write a short paragraph about the ocean."
+
+
+class DType(StrEnum):
+    """The dtype a run computes in."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+
+class DeviceKind(StrEnum):
+    """``auto`` picks tpu, then cuda, then cpu."""
+
+    auto = "auto"
+    tpu = "tpu"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class StaticMode(StrEnum):
+    """How ``static`` runs: strict eager, or TorchTPU's defer-and-fuse (TPU only)."""
+
+    eager = "eager"
+    fuse = "fuse"
+
+
+class Tables(StrEnum):
+    """Which twin engines read: bf16 vocabulary tables (``-ct-text``) or int4 ones (``-emb4``)."""
+
+    bf16 = "bf16"
+    int4 = "int4"
+
+
+class ModelSource(StrEnum):
+    """A checkpoint the project builds, or a real one from the hub or a local path."""
+
+    synthetic = "synthetic"
+    hub = "hub"
 
 
 @dataclass
@@ -28,22 +75,17 @@ class EngineConfig:
 class GenerateEngineConfig(EngineConfig):
     """Hugging Face ``generate``: greedy, eager, dynamic cache."""
 
-    name: str = "generate"
-
 
 @dataclass
 class FuseEngineConfig(EngineConfig):
     """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
-
-    name: str = "fuse"
 
 
 @dataclass
 class StaticEngineConfig(EngineConfig):
     """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
 
-    name: str = "static"
-    mode: str = "eager"  # eager | fuse
+    mode: StaticMode = StaticMode.eager
 
 
 @dataclass
@@ -53,7 +95,6 @@ class CompiledEngineConfig(EngineConfig):
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
     """
 
-    name: str = "compiled"
     backend: str = "auto"
     fullgraph: bool = False
 
@@ -62,14 +103,11 @@ class CompiledEngineConfig(EngineConfig):
 class Table4EngineConfig(CompiledEngineConfig):
     """``compiled`` with the per-layer embedding table kept 4-bit (read from the -emb4 twin)."""
 
-    name: str = "table4"
-
 
 @dataclass
 class RingEngineConfig(CompiledEngineConfig):
     """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs."""
 
-    name: str = "ring"
     piece: int = 256
 
 
@@ -77,7 +115,6 @@ class RingEngineConfig(CompiledEngineConfig):
 class RustEngineConfig(EngineConfig):
     """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces."""
 
-    name: str = "rust"
     piece: int = 256
 
 
@@ -91,12 +128,12 @@ class ModelConfig:
     """
 
     name: str = MISSING
-    source: str = "synthetic"  # synthetic | hub
+    source: ModelSource = ModelSource.synthetic
     hub_id: str | None = None  # the W4A16 `-ct-text` repack
     emb4_hub_id: str | None = None  # its `-emb4` twin (vocabulary tables int4)
     path: str | None = None  # local copy of hub_id; wins over hub_id
     emb4_path: str | None = None  # local copy of emb4_hub_id
-    tables: str = "bf16"  # which twin engines read by default: bf16 (-ct-text) | int4 (-emb4)
+    tables: Tables = Tables.bf16  # which twin engines read by default
     seed: int = 0
     vocab_size: int = 4096
     hidden_size: int = 128
@@ -121,7 +158,7 @@ class ModelConfig:
 class DeviceConfig:
     """``kind=auto`` picks tpu, then cuda, then cpu; a named kind must exist or the run fails."""
 
-    kind: str = "auto"
+    kind: DeviceKind = DeviceKind.auto
 
 
 @dataclass
@@ -133,8 +170,6 @@ class ExperimentConfig:
 class DecodeExperimentConfig(ExperimentConfig):
     """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1)."""
 
-    name: str = "decode"
-
 
 @dataclass
 class RecallExperimentConfig(ExperimentConfig):
@@ -143,7 +178,6 @@ class RecallExperimentConfig(ExperimentConfig):
     ``repeats``: timed reads of each recall prompt (a long prompt's read already spans many pieces).
     """
 
-    name: str = "recall"
     repeats: int = 1
 
 
@@ -151,14 +185,11 @@ class RecallExperimentConfig(ExperimentConfig):
 class DefaultExperimentConfig(RecallExperimentConfig):
     """decode (with memory), then the recall prompts that fit the context."""
 
-    name: str = "default"
-
 
 @dataclass
 class ParityExperimentConfig(ExperimentConfig):
     """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict)."""
 
-    name: str = "parity"
     kl_mean: float = 1.0e-6
     kl_max: float = 1.0e-5
     wrap_piece: int = 256  # long prompt: the ring's sliding slots at this piece (window + piece) + wrap_extra
@@ -186,16 +217,6 @@ class HardwareConfig:
 class RunConfig:
     """One benchmark cell.  ``context`` is the cache length in tokens."""
 
-    defaults: list[Any] = field(
-        default_factory=lambda: [
-            {"engine": "generate"},
-            {"model": "tiny"},
-            {"device": "auto"},
-            {"experiment": "default"},
-            {"hardware": "auto"},
-            "_self_",
-        ]
-    )
     engine: EngineConfig = MISSING
     model: ModelConfig = MISSING
     device: DeviceConfig = MISSING
@@ -206,32 +227,13 @@ class RunConfig:
     read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
     repeats: int = 2
     seed: int = 0
-    dtype: str = "bfloat16"
+    dtype: DType = DType.bfloat16
     prompt: str = DEFAULT_PROMPT
     chat_template: bool = True
     sweep: str = "${now:%Y-%m-%d}"
     resume: bool = False
     evidence_dir: str = "evidence/runs"
     cache_dir: str = ".cache"
-
-
-ENGINE_SCHEMAS: dict[str, type[EngineConfig]] = {
-    "generate": GenerateEngineConfig,
-    "fuse": FuseEngineConfig,
-    "static": StaticEngineConfig,
-    "compiled": CompiledEngineConfig,
-    "table4": Table4EngineConfig,
-    "ring": RingEngineConfig,
-    "rust": RustEngineConfig,
-}
-EXPERIMENT_SCHEMAS: dict[str, type[ExperimentConfig]] = {
-    "default": DefaultExperimentConfig,
-    "decode": DecodeExperimentConfig,
-    "recall": RecallExperimentConfig,
-    "parity": ParityExperimentConfig,
-}
-
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 class ConfigError(ValueError):
@@ -300,8 +302,6 @@ def validate(cfg: Any) -> None:
         validate_synthetic_shape(cfg.model)
     if getattr(cfg.experiment, "repeats", 1) < 1:
         raise ConfigError(f"experiment.repeats={cfg.experiment.repeats} must be at least 1")
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.max_new_tokens < 2:
         raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)")
     if cfg.repeats < 1:
@@ -310,18 +310,14 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"context={cfg.context} must be positive")
     if cfg.read_every < 0:
         raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
-    if cfg.model.tables not in ("bf16", "int4"):
-        raise ConfigError(f"model.tables={cfg.model.tables!r} must be bf16 or int4")
+    if getattr(cfg.engine, "piece", 1) < 1:
+        raise ConfigError(f"engine.piece={cfg.engine.piece} must be positive (prompt tokens read per piece)")
 
 
-def register_configs() -> None:
-    """Registers the structured configs so YAML files validate against them."""
-    cs = ConfigStore.instance()
+def register_configs(cs: ConfigStore) -> None:
+    """The core's structured configs: the run, the model and hardware schemas, and the device group."""
     cs.store(name="run_schema", node=RunConfig)
-    for name, node in ENGINE_SCHEMAS.items():
-        cs.store(group="schema/engine", name=name, node=node)
-    for name, node in EXPERIMENT_SCHEMAS.items():
-        cs.store(group="schema/experiment", name=name, node=node)
     cs.store(group="schema", name="model", node=ModelConfig)
-    cs.store(group="schema", name="device", node=DeviceConfig)
     cs.store(group="schema", name="hardware", node=HardwareConfig)
+    for kind in DeviceKind:
+        cs.store(group="device", name=kind.value, node=DeviceConfig(kind=kind))

@@ -13,7 +13,7 @@ Two twins share one set of values:
 real repack does.  Every value lies on a 4-bit grid whose scales have a 4-bit mantissa, so the bf16
 tables of ``w4a16/`` equal the dequantized int4 tables of ``emb4/`` bit for bit.
 
-Run directly to build one: ``python -m decodebench.synthetic model=e2b-synthetic``.
+Build one alone: ``python -m scripts.make_checkpoint model=e2b-synthetic``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -295,20 +295,3 @@ def ensure_synthetic(model_cfg: Any, cache_dir: str | Path) -> SyntheticCheckpoi
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
     return SyntheticCheckpoint(root=final, key=key)
-
-
-def main() -> None:
-    """``python -m decodebench.synthetic [model=tiny] [model.FIELD=VALUE ...]``: build, print the path."""
-    from hydra import compose, initialize_config_dir
-
-    from decodebench.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=sys.argv[1:])
-    ckpt = ensure_synthetic(cfg.model, cfg.cache_dir)
-    print(json.dumps({k: str(v) for k, v in asdict(ckpt).items()}))
-
-
-if __name__ == "__main__":
-    main()

@@ -20,10 +20,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
+from decodebench.config import EngineConfig
 from decodebench.device import Device
 
 CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a padded last prompt piece)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class EngineLimit(RuntimeError):
@@ -58,6 +58,7 @@ class Engine(ABC):
     """One way of running the model.  Subclasses set ``name`` and implement ``load`` and ``generate``."""
 
     name: ClassVar[str]
+    config: ClassVar[type[EngineConfig]]  # the typed config Hydra composes for ``engine=<name>``
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
     tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)

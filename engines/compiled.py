@@ -18,6 +18,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from decodebench.config import CompiledEngineConfig
 from engines.generate import static_cache_bytes
 from engines.stepping import SteppingEngine, greedy
 
@@ -31,6 +32,7 @@ def count_wrapped_modules(model: torch.nn.Module) -> int:
 
 class CompiledEngine(SteppingEngine):
     name = "compiled"
+    config = CompiledEngineConfig
 
     def build(self) -> None:
         self.wrapped_before = count_wrapped_modules(self.model)

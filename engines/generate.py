@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig, StaticCache
 
 from decodebench.checkpoint import load_model
+from decodebench.config import FuseEngineConfig, GenerateEngineConfig, StaticEngineConfig, StaticMode
 from decodebench.device import Device, tpu_eager_mode
 from engines.base import Engine, Generation
 
@@ -49,6 +50,7 @@ class GenerateEngine(Engine):
     """``generate``: greedy, eager, Transformers' dynamic cache (the articles' baseline)."""
 
     name = "generate"
+    config = GenerateEngineConfig
     eager_mode: str | None = None  # TorchTPU eager mode to run generate under (None: the default)
 
     def load(self) -> None:
@@ -72,6 +74,7 @@ class FuseEngine(GenerateEngine):
     """``generate`` under TorchTPU's defer-and-fuse mode (article 003, notebooks 02-03). TPU only."""
 
     name = "fuse"
+    config = FuseEngineConfig
     devices = ("tpu",)
     eager_mode = "fuse"
 
@@ -80,16 +83,15 @@ class StaticEngine(GenerateEngine):
     """``generate`` over Transformers' own StaticCache of ``context`` slots; strict eager, or fused on a TPU."""
 
     name = "static"
+    config = StaticEngineConfig
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.eager_mode = {"eager": None, "fuse": "fuse"}[ctx.engine_cfg.mode]
+        self.eager_mode = {StaticMode.eager: None, StaticMode.fuse: "fuse"}[ctx.engine_cfg.mode]
         self._cache: StaticCache | None = None
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
-        if run_cfg.engine.mode not in ("eager", "fuse"):
-            return f"engine.mode={run_cfg.engine.mode!r} must be eager or fuse"
         if run_cfg.engine.mode == "fuse" and device.kind != "tpu":
             return f"static with mode=fuse needs TorchTPU's defer-and-fuse mode, a TPU; this device is {device.kind}"
         return super().unsupported_reason(device, run_cfg)

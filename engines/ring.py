@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
+from decodebench.config import RingEngineConfig
 from engines.stepping import SteppingEngine, greedy
 
 NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
@@ -31,6 +32,11 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention buil
 def ring_slots(window: int, piece: int) -> int:
     """Sliding-layer ring size: the window rounded up to whole pieces, plus one piece."""
     return math.ceil(window / piece) * piece + piece
+
+
+def full_slots(context: int, piece: int) -> int:
+    """Full-layer slots: the context rounded up to whole pieces (a padded last piece fits)."""
+    return math.ceil(context / piece) * piece
 
 
 def kv_sources(config: Any) -> list[int]:
@@ -50,7 +56,7 @@ class RingCache:
         self.window = config.sliding_window
         self.piece = piece
         self.ring_slots = ring_slots(self.window, piece)
-        self.full_slots = math.ceil(context / piece) * piece
+        self.full_slots = full_slots(context, piece)
         self.source = dict(enumerate(kv_sources(config)))
         self.sliding = {i: t == "sliding_attention" for i, t in enumerate(config.layer_types)}
         self.k: dict[int, torch.Tensor] = {}
@@ -146,11 +152,10 @@ def ring_attention(
 
 class RingEngine(SteppingEngine):
     name = "ring"
+    config = RingEngineConfig
 
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece
-        if piece < 1:
-            raise ValueError(f"engine.piece={piece} must be positive")
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         for layer in self.model.model.layers:
             attn = layer.self_attn

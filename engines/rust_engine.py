@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from decodebench.checkpoint import load_model
+from decodebench.config import RustEngineConfig
 from decodebench.device import Device
 from engines.base import Engine, Generation
-from engines.ring import kv_sources
+from engines.ring import full_slots, kv_sources, ring_slots
 
 
 def built() -> str | None:
@@ -48,6 +49,8 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
         "window": cfg.sliding_window,
         "piece": piece,
         "context": context,
+        "ring_slots": ring_slots(cfg.sliding_window, piece),
+        "full_slots": full_slots(context, piece),
         "eps": cfg.rms_norm_eps,
         "softcap": cfg.final_logit_softcapping,
         "embed_scale": as_dtype(text.embed_tokens.scalar_embed_scale),
@@ -61,6 +64,7 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
 
 class RustEngine(Engine):
     name = "rust"
+    config = RustEngineConfig
     streams = True
     splits_phases = True  # the Rust loop times its own phases (Engine.timers)
 

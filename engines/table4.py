@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from decodebench.checkpoint import PackedTable
+from decodebench.config import Table4EngineConfig
 from engines.compiled import CompiledEngine
 
 TABLE = "model.embed_tokens_per_layer"
@@ -48,6 +49,7 @@ class Int4Embedding(nn.Module):
 
 class Table4Engine(CompiledEngine):
     name = "table4"
+    config = Table4EngineConfig
     tables = "int4"
     keep_packed = ("embed_tokens_per_layer",)
 

@@ -9,8 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from decodebench.config import register_configs
 from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic
+from runner import register_configs
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hydra.errors import ConfigCompositionException
 
 from decodebench.device import DeviceUnavailable, resolve_device, select_kind
+from tests.conftest import make_cfg
 
 
 @pytest.mark.parametrize(
@@ -22,12 +24,27 @@ def test_selection_rule(requested, tpu, cuda, expected):
     assert select_kind(requested, has_tpu=tpu, has_cuda=cuda) == expected
 
 
-@pytest.mark.parametrize(
-    ("requested", "message"), [("tpu", "no TPU"), ("cuda", "cuda.is_available"), ("gpu", "not one of")]
-)
+@pytest.mark.parametrize(("requested", "message"), [("tpu", "no TPU"), ("cuda", "cuda.is_available")])
 def test_absent_device_fails_clearly(requested, message):
     with pytest.raises(DeviceUnavailable, match=message):
         select_kind(requested, has_tpu=False, has_cuda=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "valid"),
+    [
+        ("device.kind=gpu", "auto, tpu, cuda, cpu"),
+        ("dtype=float64", "bfloat16, float16, float32"),
+        ("engine=static engine.mode=fast", "eager, fuse"),
+        ("model.tables=int8", "bf16, int4"),
+        ("model.source=s3", "synthetic, hub"),
+    ],
+)
+def test_a_value_outside_its_enum_is_refused_when_composed(override, valid):
+    with pytest.raises(ConfigCompositionException) as caught:
+        make_cfg(*override.split())
+    bad = override.split()[-1].split("=")[1]
+    assert f"Invalid value '{bad}', expected one of [{valid}]" in str(caught.value.__cause__)
 
 
 def test_cpu_memory_readings_name_their_counter():

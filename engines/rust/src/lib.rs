@@ -49,6 +49,8 @@ fn config(d: &PyDict) -> PyResult<Config> {
         window: get(d, "window")?,
         piece: get(d, "piece")?,
         context: get(d, "context")?,
+        ring_slots: get(d, "ring_slots")?,
+        full_slots: get(d, "full_slots")?,
         eps: get(d, "eps")?,
         softcap: get(d, "softcap")?,
         embed_scale: get(d, "embed_scale")?,
@@ -99,7 +101,7 @@ impl Engine {
         if max_new < 1 {
             return Err(PyValueError::new_err(format!("max_new={max_new} must be at least 1")));
         }
-        let slots = (self.model.cfg.context + self.model.cfg.piece - 1) / self.model.cfg.piece * self.model.cfg.piece;
+        let slots = self.model.cfg.full_slots;
         let padded = (ids.len() as i64 + self.model.cfg.piece - 1) / self.model.cfg.piece * self.model.cfg.piece;
         if ids.len() as i64 + max_new > self.model.cfg.context || padded > slots {
             return Err(PyValueError::new_err(format!(

@@ -24,6 +24,9 @@ pub struct Config {
     pub window: i64,
     pub piece: i64,
     pub context: i64,
+    /// The ring geometry, computed once on the Python side (engines/ring.py: ring_slots, full_slots).
+    pub ring_slots: i64,
+    pub full_slots: i64,
     pub eps: f64,
     pub softcap: Option<f64>,
     pub embed_scale: f64,
@@ -151,9 +154,7 @@ impl Model {
                 scalar: w("layer_scalar")?,
             });
         }
-        let piece = cfg.piece;
-        let ring_slots = (cfg.window + piece - 1) / piece * piece + piece;
-        let full_slots = (cfg.context + piece - 1) / piece * piece;
+        let (ring_slots, full_slots) = (cfg.ring_slots, cfg.full_slots);
         let (mut k, mut v) = (HashMap::new(), HashMap::new());
         for (i, spec) in cfg.layers.iter().enumerate() {
             if spec.source == i {
