@@ -56,24 +56,14 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     if cfg.resume and evidence.finished_ok(path):
         print(f"[resumed] {path}: already ok", flush=True)
         return None
-    record: dict[str, Any] = {
-        "schema_version": evidence.SCHEMA_VERSION,
-        "cell": path.stem,
-        "sweep": str(cfg.sweep),
-        "status": "failed",
-        "reason": None,
-        "traceback": None,
-        "config": config,
-        "config_hash": evidence.config_hash(config),
-        "environment": capture(None),
-        "hardware": None,
-        "model": {"synthetic": cfg.model.source == "synthetic", "kind": str(cfg.model.source)},
-        "engine": {},
-        "measurements": {},
-        "samples": {},
-        "outputs": {},
-        "timers": {},
-    }
+    record = evidence.Record(
+        cell=path.stem,
+        sweep=str(cfg.sweep),
+        config=config,
+        config_hash=evidence.config_hash(config),
+        environment=capture(None),
+        model={"synthetic": cfg.model.source == "synthetic", "kind": str(cfg.model.source)},
+    )
     try:
         validate(cfg)
         engine_cls = engine_class(cfg.engine.name)
@@ -81,11 +71,11 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
         device = resolve_device(cfg.device.kind)
-        record["environment"] = capture(device)
-        record["hardware"] = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
+        record.environment = capture(device)
+        record.hardware = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
         reason = engine_cls.unsupported_reason(device, cfg)
         if reason:
-            record.update(status="skipped", reason=reason)
+            record.status, record.reason = "skipped", reason
         else:
             engine = engine_cls(
                 EngineContext(
@@ -102,27 +92,25 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
                 result = experiment.run(Cell(cfg, device, engine))
             finally:
                 if engine.checkpoint is not None:
-                    record["model"] = {**record["model"], **engine.checkpoint.provenance}
-                record["engine"] = engine.describe()
+                    record.model = {**record.model, **engine.checkpoint.provenance}
+                record.engine = engine.describe()
                 release(engine)
-            record.update(
-                status="ok",
-                measurements=result.measurements,
-                samples=result.samples,
-                outputs=result.outputs,
-                timers=result.timers,
-            )
+            record.status = "ok"
+            record.measurements, record.samples = result.measurements, result.samples
+            record.outputs, record.timers = result.outputs, result.timers
     except EngineLimit as exc:
-        record.update(status="skipped", reason=str(exc))
+        record.status, record.reason = "skipped", str(exc)
     except EXPECTED as exc:
-        record.update(status="failed", reason=str(exc), traceback=traceback.format_exc())
+        record.status, record.reason, record.traceback = "failed", str(exc), traceback.format_exc()
     except Exception as exc:  # a crash is evidence too; the sweep goes on
-        record.update(status="failed", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    evidence.validate(record)
-    evidence.write_atomic(path, record)
-    stream = sys.stdout if record["status"] != "failed" else sys.stderr
-    print(f"[{record['status']}] {path}: {_headline(record)}", file=stream, flush=True)
-    return record
+        record.status, record.reason = "failed", f"{type(exc).__name__}: {exc}"
+        record.traceback = traceback.format_exc()
+    data = record.to_json()
+    evidence.validate(data)
+    evidence.write_atomic(path, data)
+    stream = sys.stdout if record.status != "failed" else sys.stderr
+    print(f"[{record.status}] {path}: {_headline(record)}", file=stream, flush=True)
+    return data
 
 
 def release(engine: Any) -> None:
@@ -132,15 +120,19 @@ def release(engine: Any) -> None:
     gc.collect()
 
 
-def _headline(record: dict[str, Any]) -> str:
-    """The cell's one line: the reason, or its decode rate (or parity verdict)."""
-    if record["status"] != "ok":
-        return str(record["reason"]).splitlines()[0]
-    rate = record["measurements"].get("decode_tok_s")
-    synthetic = " (synthetic weights)" if record["model"].get("synthetic") else ""
+def _headline(record: evidence.Record) -> str:
+    """The cell's one line: the reason, or its decode rate (or recall prompts, or parity verdict)."""
+    if record.status != "ok":
+        return str(record.reason).splitlines()[0]
+    rate = record.measurements.get("decode_tok_s")
+    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
     if rate:
-        return f"decode {rate['median']:.2f} tok/s median of {rate['n']}{synthetic}"
-    return f"parity {record['outputs']['verdict']}" if "verdict" in record["outputs"] else "done"
+        return f"decode {rate.central:.2f} tok/s median of {len(rate.values)}{synthetic}"
+    if "recall" in record.outputs:
+        ran = [o for o in record.outputs["recall"] if o["status"] == "ok"]
+        rates = ", ".join(f"{o['prompt_tokens']} tok read at {o['read_tok_s']:.0f} tok/s" for o in ran)
+        return f"recall: {len(ran)} of {len(record.outputs['recall'])} prompts ran ({rates})"
+    return f"parity {record.outputs['verdict']}" if "verdict" in record.outputs else "done"
 
 
 def is_multirun() -> bool:

@@ -126,7 +126,30 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if marker.is_file():
         provenance.update(json.loads(marker.read_text()))
     provenance.setdefault("shape", shape_of_config(config))
+    provenance["layers"] = layers_of_config(config)
     return Checkpoint(path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance)
+
+
+def layers_of_config(config: Gemma4TextConfig) -> list[dict[str, Any]]:
+    """Each decoder layer as the model builds it: attention type, the layer whose K/V it reads, head
+    size, K/V heads and MLP width (KV-shared layers are double-wide where the config says so)."""
+    modes = config.kv_sharing_modes
+    layers = []
+    for i, kind in enumerate(config.layer_types):
+        source = i
+        if modes[i] == "reuse":
+            source = max(j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == kind)
+        wide = 2 if config.use_double_wide_mlp and source != i else 1
+        layers.append(
+            {
+                "type": kind,
+                "kv_source": source,
+                "head_dim": config.per_layer_config[i].head_dim,
+                "kv_heads": config.per_layer_config[i].num_key_value_heads,
+                "intermediate_size": config.per_layer_config[i].intermediate_size * wide,
+            }
+        )
+    return layers
 
 
 def shape_of_config(config: Gemma4TextConfig) -> dict[str, Any]:

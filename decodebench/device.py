@@ -16,20 +16,11 @@ from pathlib import Path
 
 import torch
 
+from decodebench.evidence import MemoryReading
+
 
 class DeviceUnavailable(RuntimeError):
     """The requested device kind does not exist on this machine."""
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    """One memory figure in bytes, with the counter that produced it."""
-
-    bytes: int
-    counter: str
-
-    def as_dict(self) -> dict[str, object]:
-        return {"value": self.bytes, "unit": "B", "counter": self.counter}
 
 
 def tpu_present() -> bool:

@@ -1,6 +1,9 @@
 """Evidence files: one JSON document per cell, validated by ``evidence/schema.json``, written atomically.
 
-Measurements carry units; repeated samples keep their raw values next to median, min, max and n.
+The record and its measurements are dataclasses, written (``Record.to_json``) by the runner and read
+back (``Record.from_json``) by the report, so a number is traced from experiment to report through
+this one module. Measurements carry units: a ``Scalar``, raw repeated ``Samples`` (with median, min,
+max and n, never an average of averages), or a ``MemoryReading`` that names its counter.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +25,121 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
 NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir")
 
 
-def scalar(value: float | int | None, unit: str, **extra: Any) -> dict[str, Any]:
-    return {"value": value, "unit": unit, **extra}
+@dataclass(frozen=True)
+class Scalar:
+    """One value with its unit; ``extra`` holds how it was made (method, bound, ...)."""
+
+    value: float | int | None
+    unit: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def central(self) -> float | int | None:
+        return self.value
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "unit": self.unit, **self.extra}
 
 
-def samples(values: list[float], unit: str, **extra: Any) -> dict[str, Any]:
-    """Raw repeats with their median, min, max and n (never an average of averages)."""
-    return {
-        "unit": unit,
-        "values": list(values),
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-        **extra,
-    }
+@dataclass(frozen=True)
+class Samples:
+    """Raw repeats with their median, min, max and n."""
+
+    values: list[float]
+    unit: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def central(self) -> float:
+        return statistics.median(self.values)
+
+    def to_json(self) -> dict[str, Any]:
+        v = list(self.values)
+        return {"unit": self.unit, "values": v, "median": self.central, "min": min(v), "max": max(v), "n": len(v),
+                **self.extra}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One memory figure in bytes, with the counter that produced it."""
+
+    bytes: int
+    counter: str
+
+    @property
+    def central(self) -> int:
+        return self.bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.bytes, "unit": "B", "counter": self.counter}
+
+
+Measurement = Scalar | Samples | MemoryReading
+PEAK = "memory_peak_"  # memory_peak_<counter name>: one measurement per peak counter the device has
+
+
+def scalar(value: float | int | None, unit: str, **extra: Any) -> Scalar:
+    return Scalar(value, unit, extra)
+
+
+def samples(values: list[float], unit: str, **extra: Any) -> Samples:
+    return Samples(list(values), unit, extra)
+
+
+def memory_peaks(peaks: dict[str, MemoryReading]) -> dict[str, MemoryReading]:
+    """The device's peak counters under their measurement names."""
+    return {f"{PEAK}{name}": reading for name, reading in peaks.items()}
+
+
+def measurement_from_json(data: dict[str, Any]) -> Measurement:
+    if "values" in data:
+        known = ("unit", "values", "median", "min", "max", "n")
+        return Samples(data["values"], data["unit"], {k: v for k, v in data.items() if k not in known})
+    if "counter" in data and data.get("unit") == "B":
+        return MemoryReading(data["value"], data["counter"])
+    return Scalar(data["value"], data["unit"], {k: v for k, v in data.items() if k not in ("value", "unit")})
+
+
+@dataclass
+class Record:
+    """One cell's evidence: what ran, where, with what outcome and measurements."""
+
+    cell: str
+    sweep: str
+    config: dict[str, Any]
+    config_hash: str
+    environment: dict[str, Any]
+    model: dict[str, Any]
+    status: str = "failed"
+    reason: str | None = None
+    traceback: str | None = None
+    hardware: dict[str, Any] | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    measurements: dict[str, Measurement] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    timers: dict[str, str] = field(default_factory=dict)
+    schema_version: str = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["measurements"] = {name: m.to_json() for name, m in self.measurements.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["measurements"] = {n: measurement_from_json(m) for n, m in data.get("measurements", {}).items()}
+        return cls(**fields)
+
+    def value(self, name: str) -> Any:
+        """A measurement's value (the median of samples), or None when it was not measured."""
+        m = self.measurements.get(name)
+        return None if m is None else m.central
+
+    def memory_peak(self) -> MemoryReading | None:
+        """The first peak counter by name (``memory_peak_allocated`` before ``memory_peak_reserved``)."""
+        return next((m for name, m in sorted(self.measurements.items()) if name.startswith(PEAK)), None)
 
 
 def config_hash(config: dict[str, Any]) -> str:

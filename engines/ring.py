@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
+from decodebench.checkpoint import layers_of_config
 from decodebench.config import RingEngineConfig
 from engines.stepping import SteppingEngine, greedy
 
@@ -41,12 +42,8 @@ def full_slots(context: int, piece: int) -> int:
 
 def kv_sources(config: Any) -> list[int]:
     """For each layer, the layer whose K/V it reads: itself, or (KV-shared) the last cache-owning
-    layer of the same type."""
-    modes, types_ = config.kv_sharing_modes, config.layer_types
-    return [
-        i if modes[i] != "reuse" else max(j for j in range(i) if modes[j] != "reuse" and types_[j] == types_[i])
-        for i in range(len(types_))
-    ]
+    layer of the same type (``decodebench.checkpoint.layers_of_config``)."""
+    return [layer["kv_source"] for layer in layers_of_config(config)]
 
 
 class RingCache:

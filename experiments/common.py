@@ -7,12 +7,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from decodebench.evidence import Measurement
+
 
 @dataclass
 class Result:
-    """What an experiment hands back for the evidence file."""
+    """What an experiment hands back for the evidence record (``decodebench.evidence.Record``)."""
 
-    measurements: dict[str, Any] = field(default_factory=dict)
+    measurements: dict[str, Measurement] = field(default_factory=dict)
     samples: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     timers: dict[str, str] = field(default_factory=dict)

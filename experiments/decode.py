@@ -17,7 +17,7 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 
 from __future__ import annotations
 
-from decodebench.evidence import samples, scalar
+from decodebench.evidence import memory_peaks, samples, scalar
 from engines.base import Generation
 from experiments.cell import Cell, MethodError
 from experiments.common import Result, answer, prompt_ids
@@ -110,9 +110,9 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         decode_tok_s=samples(rates, "tok/s", formula="(N-1)/(T_N-T_1)"),
         prompt_tokens=scalar(len(ids), "tok"),
         new_tokens=scalar(n, "tok"),
-        memory_after_load=after_load.as_dict(),
-        memory_with_cache=with_cache.as_dict(),
-        **{f"memory_peak_{name}": reading.as_dict() for name, reading in peaks.items()},
+        memory_after_load=after_load,
+        memory_with_cache=with_cache,
+        **memory_peaks(peaks),
     )
     result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n, decode_tok_s=rates)
     result.outputs.update(prompt_ids=ids, **answer(first.tokens, engine.eos_ids, engine.tokenizer))

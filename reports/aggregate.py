@@ -82,6 +82,7 @@ _COLUMNS = [
     *GROUP,
     "prompt_tokens",
     "decode_values",
+    "phase_values",
     "first_call_s",
     "load_s",
     "weight_bytes",
@@ -111,51 +112,50 @@ _COLUMNS = [
 ]
 
 
-def _value(measurements: dict[str, Any], name: str) -> Any:
-    m = measurements.get(name)
-    return None if m is None else m.get("value", m.get("median"))
-
-
-def _row(rel: str, r: dict[str, Any]) -> dict[str, Any]:
-    cfg, m, env, hw = r["config"], r["measurements"], r["environment"], r.get("hardware") or {}
-    peak = next((v for k, v in sorted(m.items()) if k.startswith("memory_peak_")), None)
-    parity = r["outputs"].get("prompt") if cfg["experiment"]["name"] == "parity" else None
+def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
+    r = evidence.Record.from_json(data)
+    cfg, env, hw = r.config, r.environment, r.hardware or {}
+    peak = r.memory_peak()
+    parity = r.outputs.get("prompt") if cfg["experiment"]["name"] == "parity" else None
     parity = parity if isinstance(parity, dict) and parity.get("status") == "ok" else None
     return {
         "file": rel,
-        "sweep": r["sweep"],
-        "status": r["status"],
-        "reason": r["reason"],
+        "sweep": r.sweep,
+        "status": r.status,
+        "reason": r.reason,
         "experiment": cfg["experiment"]["name"],
         "engine": cfg["engine"]["name"],
         "engine_config": " ".join(f"{k}={v}" for k, v in sorted(cfg["engine"].items()) if k != "name"),
         "model": cfg["model"]["name"],
-        "checkpoint": r["model"].get("key") or r["model"].get("hub_id") or r["model"].get("config_sha256_16") or "",
-        "synthetic": bool(r["model"].get("synthetic")),
+        "checkpoint": r.model.get("key") or r.model.get("hub_id") or r.model.get("config_sha256_16") or "",
+        "synthetic": bool(r.model.get("synthetic")),
         "device": env.get("device_kind") or cfg["device"]["kind"],
         "device_name": env.get("device_name") or "",
         "context": cfg["context"],
         "dtype": cfg["dtype"],
         "read_every": cfg.get("read_every", 0),
-        "prompt_tokens": _value(m, "prompt_tokens"),
-        "new_tokens": _value(m, "new_tokens"),
-        "decode_values": list(m["decode_tok_s"]["values"]) if "decode_tok_s" in m else [],
-        "first_call_s": _value(m, "first_call_s"),
-        "load_s": _value(m, "load_s"),
-        "weight_bytes": _value(m, "weight_bytes_from_shape"),
-        "cache_bytes": _value(m, "cache_bytes_from_shape"),
-        "memory_after_load": _value(m, "memory_after_load"),
-        "memory_peak": None if peak is None else peak["value"],
-        "memory_counter": None if peak is None else peak["counter"],
-        "graphs": r.get("engine", {}).get("graphs"),
-        "graph_breaks": r.get("engine", {}).get("graph_breaks"),
+        "prompt_tokens": r.value("prompt_tokens"),
+        "new_tokens": r.value("new_tokens"),
+        "decode_values": list(r.measurements["decode_tok_s"].values) if "decode_tok_s" in r.measurements else [],
+        "phase_values": list(r.measurements["decode_phase_tok_s"].values)
+        if "decode_phase_tok_s" in r.measurements
+        else [],
+        "first_call_s": r.value("first_call_s"),
+        "load_s": r.value("load_s"),
+        "weight_bytes": r.value("weight_bytes_from_shape"),
+        "cache_bytes": r.value("cache_bytes_from_shape"),
+        "memory_after_load": r.value("memory_after_load"),
+        "memory_peak": None if peak is None else peak.bytes,
+        "memory_counter": None if peak is None else peak.counter,
+        "graphs": r.engine.get("graphs"),
+        "graph_breaks": r.engine.get("graph_breaks"),
         "parity_tokens_equal": None if parity is None else parity["tokens_equal"],
         "parity_first_difference": None if parity is None else parity["first_difference"],
         "parity_kl_mean": None if parity is None else parity["kl_mean"],
         "parity_kl_max": None if parity is None else parity["kl_max"],
         "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
-        "parity_verdict": r["outputs"].get("verdict"),
-        "weights": r["model"].get("weights"),
+        "parity_verdict": r.outputs.get("verdict"),
+        "weights": r.model.get("weights"),
         "utc_time": env.get("utc_time"),
         "cpu_model": env.get("cpu_model"),
         "torch": env.get("packages", {}).get("torch"),
@@ -195,6 +195,7 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for key, group in ok.groupby(GROUP, sort=True, dropna=False):
         values = [v for vs in group.decode_values for v in vs]
+        phase = [v for vs in group.phase_values for v in vs]
         last = group.sort_values("file").iloc[-1]
         rows.append(
             {
@@ -203,6 +204,7 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "decode_min": min(values),
                 "decode_max": max(values),
                 "n": len(values),
+                "phase_median": statistics.median(phase) if phase else None,
                 "files": list(group.file),
                 "first_call_s": statistics.median(group.first_call_s),
                 "load_s": statistics.median(group.load_s),
@@ -221,4 +223,25 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "weights": last.weights,
             }
         )
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    if not table.empty:
+        table["key"] = table.apply(_key, axis=1)
+        table["label"] = table.apply(_label, axis=1)
+    return table
+
+
+def _key(row: pd.Series) -> str:
+    """The row's name in arithmetic.txt keys (with the engine before it)."""
+    engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
+    return (
+        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/N={row.new_tokens}"
+        f"/read_every={row.read_every}{engine}"
+    )
+
+
+def _label(row: pd.Series) -> str:
+    """The row's name for a reader (plots)."""
+    stream = f", read_every={row.read_every}" if row.read_every else ""
+    backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
+    backend = f", {backend}" if backend else ""
+    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}, N={row.new_tokens}{stream}{backend})"

@@ -40,6 +40,7 @@ class Entry:
     notes: list[str] = field(default_factory=list)
     stated: str | None = None  # a published figure's printed value, as printed
     agrees: bool | None = None  # the result rounds to ``stated`` at its printed precision
+    row: tuple[str, str] | None = None  # the measured decode row it belongs to: (engine, key)
 
     def text(self) -> str:
         lines = [f"[{self.key}]", f"what:    {self.what}", f"formula: {self.formula}"]
@@ -84,14 +85,6 @@ def render(measured: list[Entry], recomputed: list[Entry]) -> str:
 # ---------------------------------------------------------------- measured ----------------------------------------
 
 
-def _label(row: pd.Series) -> str:
-    engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
-    return (
-        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/N={row.new_tokens}"
-        f"/read_every={row.read_every}{engine}"
-    )
-
-
 def _rate_input(name: str, row: pd.Series) -> Input:
     return Input(name, row.decode_median, "tok/s", ", ".join(row.files), note=f"median of {row.n}")
 
@@ -110,12 +103,13 @@ def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
                 continue
             entries.append(
                 Entry(
-                    key=f"decode-ratio/{row.engine}-vs-generate/{_label(row)}",
+                    key=f"decode-ratio/{row.engine}-vs-generate/{row.key}",
                     what=f"decode rate of {row.engine} as a multiple of generate, same device and checkpoint",
                     formula=f"{row.engine}_tok_s / generate_tok_s",
                     inputs=[_rate_input(f"{row.engine}_tok_s", row), _rate_input("generate_tok_s", base_row)],
                     result=row.decode_median / base_row.decode_median,
                     unit="x",
+                    row=(row.engine, row.key),
                 )
             )
     return entries
@@ -151,12 +145,14 @@ def costs(decode: pd.DataFrame) -> list[Entry]:
     entries = []
     for _, row in decode.iterrows():
         price = row.price_usd_per_hour
-        key = f"usd-per-mtok/{row.engine}/{_label(row)}"
+        key, cell = f"usd-per-mtok/{row.engine}/{row.key}", (row.engine, row.key)
         rate = _rate_input("rate", row)
         if price is None or (isinstance(price, float) and math.isnan(price)):
             no_price = f"hardware {row.hardware} has no price per hour: set hardware.price_usd_per_hour="
             what = f"USD per million output tokens, {row.engine}"
-            entries.append(Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [no_price]))
+            entries.append(
+                Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [no_price], row=cell)
+            )
             continue
         entries.append(
             Entry(
@@ -167,42 +163,37 @@ def costs(decode: pd.DataFrame) -> list[Entry]:
                 price / (row.decode_median * 3600) * 1e6,
                 "USD/Mtok",
                 ["excludes disks, network and idle time; assumes the chip is busy decoding"],
+                row=cell,
             )
         )
     return entries
 
 
-def bytes_per_token(shape: dict[str, Any], dtype_bytes: int, position: int) -> tuple[float, float, dict[str, float]]:
+def bytes_per_token(
+    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int
+) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``.
 
-    Linears and lm_head are read whole each step; the two embedding tables are gathered (one row
-    each); each layer reads its source cache over min(position, window) sliding or position full slots.
+    ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
+    MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
+    (one row each); each layer reads its source cache over min(position, window) sliding or
+    position full slots.
     """
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    hd, ghd, ple, vocab = (
-        shape["head_dim"],
-        shape["global_head_dim"],
-        shape["hidden_size_per_layer_input"],
-        shape["vocab_size"],
-    )
-    k, window, shared = shape["full_attention_every"], shape["sliding_window"], shape["num_kv_shared_layers"]
-    first_shared = layers - shared
+    h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
+    vocab, window = shape["vocab_size"], shape["sliding_window"]
     linear = ple_proj = kv = 0.0
-    for i in range(layers):
-        full = (i + 1) % k == 0
-        d = ghd if full else hd
-        owns_kv = i < first_shared
+    for i, layer in enumerate(layers):
+        d, kv_heads, owns_kv = layer["head_dim"], layer["kv_heads"], layer["kv_source"] == i
         linear += h * heads * d * 2 + (2 * h * kv_heads * d if owns_kv else 0)  # q, o (+ k, v)
-        wide = 2 if shape["use_double_wide_mlp"] and not owns_kv else 1
-        linear += 3 * h * inter * wide
+        linear += 3 * h * layer["intermediate_size"]
         ple_proj += 2 * h * ple
-        kv += 2 * kv_heads * d * dtype_bytes * (position if full else min(position, window))
-    linear += h * layers * ple  # per_layer_model_projection
+        slots = position if layer["type"] == "full_attention" else min(position, window)
+        kv += 2 * kv_heads * d * dtype_bytes * slots
+    linear += h * len(layers) * ple  # per_layer_model_projection
     parts = {
         "linears": (linear + ple_proj) * dtype_bytes,
         "lm_head": vocab * h * dtype_bytes,
-        "embedding rows": (h + layers * ple) * dtype_bytes,
+        "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
     return sum(parts.values()), kv, parts
 
@@ -210,24 +201,24 @@ def bytes_per_token(shape: dict[str, Any], dtype_bytes: int, position: int) -> t
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def roofline(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[Entry]:
+def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
     """Bytes read per decoded token and the fraction of the memory-bandwidth roofline achieved."""
     entries = []
     for _, row in decode.iterrows():
-        shape = shapes.get(row.files[-1])
-        if shape is None or row.bandwidth_gb_s is None:
+        model = models.get(row.files[-1], {})
+        if not model.get("layers") or row.bandwidth_gb_s is None:
             continue
         position = int(row.prompt_tokens + row.new_tokens // 2)
-        weights, kv, parts = bytes_per_token(shape, DTYPE_BYTES[row["dtype"]], position)
+        weights, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[row["dtype"]], position)
         per_token = weights + kv
-        label = _label(row)
+        label = row.key
         entries.append(
             Entry(
                 f"bytes-per-token/{row.engine}/{label}",
                 f"bytes read per decoded token by {row.engine} (weights at the engine's resident {row['dtype']} "
                 f"precision, KV at position {position})",
                 "linears + lm_head + embedding rows + KV(position)",
-                [Input(name, value, "B", f"model shape in {row.files[-1]}") for name, value in parts.items()]
+                [Input(name, value, "B", f"model shape and layers in {row.files[-1]}") for name, value in parts.items()]
                 + [
                     Input(
                         "KV(position)",
@@ -261,16 +252,33 @@ def roofline(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[En
                 100 * achieved / row.bandwidth_gb_s,
                 "%",
                 [f"achieved {achieved:.4g} GB/s"],
+                row=(row.engine, row.key),
             )
         )
     return entries
 
 
-def measured(decode: pd.DataFrame, shapes: dict[str, dict[str, Any]]) -> list[Entry]:
-    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode cell is ok."""
+def measured(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
+    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode cell is ok.
+
+    ``models``: each evidence file's model block (shape and per-layer layout)."""
     if decode.empty:
         return []
-    return [*decode_ratios(decode), *jax_gap(decode), *costs(decode), *roofline(decode, shapes)]
+    return [*decode_ratios(decode), *jax_gap(decode), *costs(decode), *roofline(decode, models)]
+
+
+DERIVED_COLUMNS = {"decode-ratio/": "x_generate", "roofline/": "roofline_pct", "usd-per-mtok/": "usd_per_mtok"}
+
+
+def with_derived_columns(decode: pd.DataFrame, entries: list[Entry]) -> pd.DataFrame:
+    """The decode table with each row's derived figures as columns (``generate`` is 1.0 x itself)."""
+    table = decode.copy()
+    for prefix, column in DERIVED_COLUMNS.items():
+        values = {e.row: e.result for e in entries if e.key.startswith(prefix) and e.row is not None}
+        table[column] = [values.get((r.engine, r.key)) for _, r in table.iterrows()]
+    if not table.empty:
+        table.loc[table.engine == "generate", "x_generate"] = 1.0
+    return table
 
 
 # ---------------------------------------------------------------- published ---------------------------------------

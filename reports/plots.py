@@ -13,19 +13,12 @@ import pandas as pd  # noqa: E402
 SAVE = {"dpi": 100, "metadata": {"Software": None}}
 
 
-def _label(row: pd.Series) -> str:
-    stream = f", read_every={row.read_every}" if row.read_every else ""
-    backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
-    backend = f", {backend}" if backend else ""
-    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}, N={row.new_tokens}{stream}{backend})"
-
-
 def decode_rates(decode: pd.DataFrame, out: Path) -> str | None:
     if decode.empty:
         return None
     rows = decode.sort_values(["model", "device", "decode_median"])
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
-    labels = [_label(r) for _, r in rows.iterrows()]
+    labels = list(rows.label)
     ax.barh(labels, rows.decode_median, color="#4477aa")
     spread = [rows.decode_median - rows.decode_min, rows.decode_max - rows.decode_median]
     ax.errorbar(rows.decode_median, labels, xerr=spread, fmt="none", ecolor="black", capsize=3)
@@ -61,7 +54,7 @@ def memory(decode: pd.DataFrame, out: Path) -> str | None:
     if rows.empty:
         return None
     rows = rows.sort_values(["model", "device", "engine", "context"])
-    labels = [_label(r) for _, r in rows.iterrows()]
+    labels = list(rows.label)
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
     y = range(len(rows))
     ax.barh([i + 0.2 for i in y], rows.memory_peak / 1e9, height=0.4, label="peak", color="#cc6677")

@@ -63,8 +63,8 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     ev = aggregate.load(evidence_dir, REPO)
     pub = published_data.load(published_dir)
     decode = aggregate.decode_table(ev.cells)
-    shapes = {f: r["model"].get("shape") for f, r in ev.records.items() if r["model"].get("shape")}
-    measured = arithmetic.measured(decode, shapes)
+    models = {f: r["model"] for f, r in ev.records.items()}
+    measured = arithmetic.measured(decode, models)
     recomputed = arithmetic.published(pub.figures, pub.derived)
     arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
     arithmetic_out.write_text(arithmetic.render(measured, recomputed))
@@ -77,8 +77,6 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         plots.decode_vs_context(decode, report.parent / "decode_vs_context.png"),
         plots.memory(decode, report.parent / "memory.png"),
     ]
-    ratios = {e.key: e for e in measured if e.key.startswith("decode-ratio/")}
-    roof = {e.key: e for e in measured if e.key.startswith("roofline/")}
     env = Environment(
         loader=FileSystemLoader(TEMPLATES),
         undefined=StrictUndefined,
@@ -93,7 +91,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     figures = pub.all_figures()
     text = env.get_template("REPORT.md.j2").render(
         cells=cells,
-        decode=decode,
+        decode=arithmetic.with_derived_columns(decode, measured),
         recall=recall[~too_long],
         recall_not_fitting=int(too_long.sum()),
         parity=cells[(cells.experiment == "parity") & (cells.status == "ok")].sort_values(["model", "engine", "file"]),
@@ -103,8 +101,6 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         ).sort_values(["device", "git_sha"]),
         synthetic=bool(cells.synthetic.any()),
         warnings=ev.warnings,
-        ratio=lambda row: ratios.get(f"decode-ratio/{row.engine}-vs-generate/{arithmetic._label(row)}"),
-        roofline=lambda row: roof.get(f"roofline/{row.engine}/{arithmetic._label(row)}"),
         costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
         published_rates=published_rates(pub),
         published_derived=recomputed,

@@ -10,9 +10,12 @@ import pandas as pd
 import pytest
 import yaml
 
+from decodebench.checkpoint import layers_of_config, shape_of_config
+from decodebench.synthetic import shape_of, text_config
+from decodebench.synthetic_tokenizer import TURN_END
 from reports import arithmetic, published, render
 from runner import run_cell
-from tests.conftest import REPO
+from tests.conftest import REPO, make_cfg
 
 PUBLISHED = REPO / "evidence" / "published"
 
@@ -157,6 +160,7 @@ def row(**values) -> pd.Series:
         "bandwidth_gb_s": 858.99,
         "bandwidth_source": "facts file",
         "prompt_tokens": 19,
+        "key": "m/k/tpu/ctx256/bfloat16/N=64/read_every=0",
     }
     return pd.Series({**base, **values})
 
@@ -171,9 +175,16 @@ def test_cost_and_ratio_by_hand():
     assert "5.13 USD/Mtok" in cost["compiled"].text()
 
 
+def e2b_model_block() -> dict:
+    """The model block an E2B-shaped evidence file records: its shape and per-layer layout."""
+    model = make_cfg("model=e2b-synthetic").model
+    config = text_config(shape_of(model), {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106})
+    return {"shape": shape_of_config(config), "layers": layers_of_config(config)}
+
+
 def test_bytes_per_token_matches_the_e2b_reference_figures():
-    shape = yaml.safe_load((REPO / "conf" / "model" / "e2b-synthetic.yaml").read_text())
-    weights, kv, parts = arithmetic.bytes_per_token(shape, 2, 131072)
+    model = e2b_model_block()
+    weights, kv, parts = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 131072)
     assert parts["linears"] == 1_876_819_968 * 2  # quantizable linears of E2B, in bf16 (notes 1.5)
     assert parts["lm_head"] == 262144 * 1536 * 2
     assert kv == 28672 * 512 + 14336 * 131072  # notes 1.6: 28,672 min(T,512) + 14,336 T bytes
@@ -181,9 +192,9 @@ def test_bytes_per_token_matches_the_e2b_reference_figures():
 
 
 def test_roofline_fraction_by_hand():
-    shape = yaml.safe_load((REPO / "conf" / "model" / "e2b-synthetic.yaml").read_text())
     decode = pd.DataFrame([row(decode_median=50.0, prompt_tokens=96, new_tokens=64)])
-    entries = {e.key.split("/")[0]: e for e in arithmetic.roofline(decode, {"evidence/runs/x.json": shape})}
+    models = {"evidence/runs/x.json": e2b_model_block()}
+    entries = {e.key.split("/")[0]: e for e in arithmetic.roofline(decode, models)}
     per_token = entries["bytes-per-token"].result
     assert entries["roofline"].result == pytest.approx(100 * per_token * 50.0 / 1e9 / 858.99)
 
