@@ -241,7 +241,8 @@ class ConfigError(ValueError):
 
 
 SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-POSITIVE_SHAPE_FIELDS = (
+# The ModelConfig fields that decide a synthetic model's shape (decodebench.synthetic builds from them).
+SHAPE_FIELDS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -252,10 +253,16 @@ POSITIVE_SHAPE_FIELDS = (
     "global_head_dim",
     "full_attention_every",
     "sliding_window",
+    "num_kv_shared_layers",
+    "use_double_wide_mlp",
     "hidden_size_per_layer_input",
     "max_position_embeddings",
+    "final_logit_softcapping",
+    "rms_norm_eps",
     "tokenizer_vocab",
 )
+NOT_COUNTS = ("num_kv_shared_layers", "use_double_wide_mlp", "final_logit_softcapping", "rms_norm_eps")
+POSITIVE_SHAPE_FIELDS = tuple(f for f in SHAPE_FIELDS if f not in NOT_COUNTS)
 HARDWARE_NUMBERS = ("price_usd_per_hour", "memory_gb", "memory_bandwidth_gb_s", "peak_bf16_tflops")
 
 

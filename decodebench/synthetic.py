@@ -36,30 +36,12 @@ from torch import nn
 from transformers import Gemma4TextConfig, GenerationConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
+from decodebench.config import SHAPE_FIELDS
 from decodebench.synthetic_tokenizer import TURN_END, build_tokenizer
 
 FORMAT_VERSION = 2  # bump whenever the bytes a shape builds change (weights, tokenizer, config)
 GROUP = 32
 CHECKPOINT_PREFIX = "model.language_model."
-SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "global_head_dim",
-    "full_attention_every",
-    "sliding_window",
-    "num_kv_shared_layers",
-    "use_double_wide_mlp",
-    "hidden_size_per_layer_input",
-    "max_position_embeddings",
-    "final_logit_softcapping",
-    "rms_norm_eps",
-    "tokenizer_vocab",
-)
 INT4_WEIGHTS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
 
 
