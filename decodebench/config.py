@@ -50,6 +50,22 @@ class StaticMode(StrEnum):
     fuse = "fuse"
 
 
+class Attend(StrEnum):
+    """Which slots the ring's full-attention layers read: every slot of the cache (the article's two
+    programs), or the filled ones rounded up to a bucket (a program per bucket)."""
+
+    cache = "cache"
+    filled = "filled"
+
+
+class LastPiece(StrEnum):
+    """How the ring reads a prompt's last, partly filled piece: padded to a whole piece (the article's
+    two programs), or padded only to a power of two of at least 16 tokens (a program per length)."""
+
+    padded = "padded"
+    bucketed = "bucketed"
+
+
 class Tables(StrEnum):
     """Which twin engines read: bf16 vocabulary tables (``-ct-text``) or int4 ones (``-emb4``)."""
 
@@ -106,9 +122,16 @@ class Table4EngineConfig(CompiledEngineConfig):
 
 @dataclass
 class RingEngineConfig(CompiledEngineConfig):
-    """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs."""
+    """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs.
+
+    ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
+    up to ``piece`` times a power of two (one compiled program per bucket used). ``last_piece=bucketed``:
+    a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
+    """
 
     piece: int = 256
+    attend: Attend = Attend.cache
+    last_piece: LastPiece = LastPiece.padded
 
 
 @dataclass

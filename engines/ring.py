@@ -7,6 +7,13 @@
 * KV-shared layers read their source layer's buffers (the last cache-owning layer of their type).
 * Prompts are read in fixed ``piece``-token pieces (the last one padded), so the model compiles to
   exactly two programs, one piece and one decode step, whatever the prompt length.
+* ``engine.attend=filled``: full-attention layers read only slots ``[0, bucket)``, the filled ones
+  rounded up to ``piece * 2**j`` (``bucket_for``), so a short prompt in a large cache does not attend
+  over empty slots; each bucket is one more compiled piece or step program, counted in ``buckets``.
+* ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
+  least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length).
+* Attention folds the query heads that share a K/V head into the query length (``grouped_attention``):
+  the same products as ``enable_gqa``, as one matrix product per K/V head.
 
 Only attention is replaced (``Gemma4TextAttention.forward`` on each layer, as the article does); the
 projections, norms, RoPE, MLP and per-layer embeddings are Transformers' own modules.
@@ -24,15 +31,23 @@ from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
 from decodebench.checkpoint import layers_of_config
-from decodebench.config import RingEngineConfig
+from decodebench.config import Attend, LastPiece, RingEngineConfig
 from engines.stepping import SteppingEngine, greedy
 
+MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
+MAX_PROGRAMS = 64  # compiled programs a bucketed ring keeps per function (more than 2 * log2(131328 / 16))
 NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
 
 
 def ring_slots(window: int, piece: int) -> int:
     """Sliding-layer ring size: the window rounded up to whole pieces, plus one piece."""
     return math.ceil(window / piece) * piece + piece
+
+
+def bucket_for(needed: int, piece: int, full: int) -> int:
+    """Full-layer slots read when ``needed`` positions are filled: ``piece * 2**j``, at most ``full``."""
+    pieces = math.ceil(needed / piece)
+    return min(full, piece * 2 ** math.ceil(math.log2(pieces)) if pieces > 1 else piece)
 
 
 def full_slots(context: int, piece: int) -> int:
@@ -71,6 +86,7 @@ class RingCache:
         self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin()
+        self.bucket = self.full_slots  # full-layer slots the next forward reads (a host int: one program each)
 
     def nbytes(self) -> int:
         """Bytes held by K/V buffers, from their shapes."""
@@ -105,7 +121,7 @@ class RingCache:
         self.ring_pos.index_copy_(0, self.ring_slot, recorded)
         self.full_pos.index_copy_(0, positions, recorded)
         qpos = positions[:, None]
-        ring, full = self.ring_pos[None, :], self.full_pos[None, :]
+        ring, full = self.ring_pos[None, :], self.full_pos[None, : self.bucket]
         self.masks = {
             True: (ring >= 0) & (ring <= qpos) & (qpos - ring < self.window),
             False: (full >= 0) & (full <= qpos),
@@ -118,8 +134,10 @@ class RingCache:
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V of the layer's source and the [S, slots] mask of keys each query may see."""
-        src = self.source[layer]
-        return self.k[src], self.v[src], self.masks[self.sliding[layer]]
+        src, sliding = self.source[layer], self.sliding[layer]
+        if sliding:
+            return self.k[src], self.v[src], self.masks[True]
+        return self.k[src][:, :, : self.bucket], self.v[src][:, :, : self.bucket], self.masks[False]
 
 
 def ring_attention(
@@ -141,10 +159,24 @@ def ring_attention(
         v = self.v_norm(self.v_proj(hidden_states).view(shape))
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
     keys, values, keep = ring.read(self.layer_idx)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=keep[None, None], scale=self.scaling, enable_gqa=True
-    )
+    out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
     return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA with each K/V head's query heads folded into the query length: q [B, H, S, D], keys and
+    values [B, KV, slots, D], keep [S, slots] -> [B, H, S, D]. The products are the same as with
+    ``enable_gqa`` (head h reads K/V head h // (H/KV)); on a CPU one [G*S, slots] product per K/V
+    head is far cheaper than G broadcast ones."""
+    batch, heads, seq, dim = q.shape
+    groups = heads // keys.shape[1]
+    folded = q.reshape(batch, keys.shape[1], groups * seq, dim)
+    out = F.scaled_dot_product_attention(
+        folded, keys, values, attn_mask=keep.repeat(groups, 1)[None, None], scale=scale
+    )
+    return out.view(batch, heads, seq, values.shape[-1])
 
 
 class RingEngine(SteppingEngine):
@@ -154,6 +186,12 @@ class RingEngine(SteppingEngine):
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
+        self.filled = self.ctx.engine_cfg.attend == Attend.filled
+        self.bucketed_last = self.ctx.engine_cfg.last_piece == LastPiece.bucketed
+        self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
+        self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
+        if self.filled or self.bucketed_last:  # a program per bucket and length: keep them, never evict
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_PROGRAMS)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             attn.forward = types.MethodType(lambda s, *a, **k: ring_attention(s, self.ring, *a, **k), attn)
@@ -175,9 +213,9 @@ class RingEngine(SteppingEngine):
     def read_piece(
         self, ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One piece: ids [1, piece] from position ``start`` with ``count`` real tokens (device scalars)."""
-        positions = start + self.piece_offsets
-        logits = self.forward(ids, positions, self.piece_offsets < count, (count - 1).view(1))
+        """One piece: ids [1, length] from position ``start`` with ``count`` real tokens (device scalars)."""
+        offsets = self.piece_offsets[: ids.shape[1]]
+        logits = self.forward(ids, start + offsets, offsets < count, (count - 1).view(1))
         return greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,10 +225,30 @@ class RingEngine(SteppingEngine):
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
         padded = torch.tensor(prompt_ids + [0] * (pieces * piece - len(prompt_ids)), device=device).view(pieces, piece)
         for k in tqdm(range(pieces), desc="reading prompt", unit="piece", disable=pieces < 16, leave=False):
+            self.fill_to((k + 1) * piece, "pieces")
             count = min(piece, len(prompt_ids) - k * piece)
+            length = self.piece_length(count)
+            self.piece_lengths[length] = self.piece_lengths.get(length, 0) + 1
             start = torch.tensor(k * piece, device=device)
-            token, logits = self.compiled_piece(padded[k : k + 1], start, torch.tensor(count, device=device))
+            ids = padded[k : k + 1, :length]
+            token, logits = self.compiled_piece(ids, start, torch.tensor(count, device=device))
         return token, logits
+
+    def piece_length(self, count: int) -> int:
+        """Tokens a piece holding ``count`` prompt tokens is padded to."""
+        if not self.bucketed_last or count == self.ring.piece:
+            return self.ring.piece
+        return min(self.ring.piece, max(MIN_PIECE, 2 ** math.ceil(math.log2(count))))
+
+    def before_step(self, position: int) -> None:
+        self.fill_to(position + 1, "steps")
+
+    def fill_to(self, needed: int, kind: str) -> None:
+        """Sets the slots the next forward reads (``attend=filled``) and counts the forward."""
+        ring = self.ring
+        ring.bucket = bucket_for(needed, ring.piece, ring.full_slots) if self.filled else ring.full_slots
+        counts = self.buckets.setdefault(ring.bucket, {"pieces": 0, "steps": 0})
+        counts[kind] += 1
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.forward(token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position))
@@ -202,4 +260,12 @@ class RingEngine(SteppingEngine):
     def describe(self) -> dict[str, Any]:
         if not hasattr(self, "ring"):
             return {}
-        return {**super().describe(), "layout": self.ring.layout(), "cache_bytes": self.ring.nbytes()}
+        return {
+            **super().describe(),
+            "layout": self.ring.layout(),
+            "cache_bytes": self.ring.nbytes(),
+            "attend": str(self.ctx.engine_cfg.attend),
+            "buckets": {str(b): n for b, n in sorted(self.buckets.items())},
+            "last_piece": str(self.ctx.engine_cfg.last_piece),
+            "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
+        }

@@ -75,6 +75,9 @@ class SteppingEngine(Engine):
     def build(self) -> None:
         """Engine-specific set-up after the weights are on the device (caches, module swaps)."""
 
+    def before_step(self, position: int) -> None:
+        """Called on the host before each step with the position it writes (for programs that depend on it)."""
+
     @abstractmethod
     def reset(self) -> None: ...
 
@@ -98,7 +101,8 @@ class SteppingEngine(Engine):
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
         pending, tokens, kept_logits = [token], [], [logits] if return_logits else []
         read_every = self.ctx.read_every or max_new_tokens
-        for _ in range(max_new_tokens - 1):
+        for i in range(max_new_tokens - 1):
+            self.before_step(len(prompt_ids) + i)
             token, logits = self.compiled_step(token, position)
             position = position + 1
             pending.append(token)

@@ -12,6 +12,7 @@ import torch
 from decodebench.device import resolve_device
 from engines import ENGINES
 from engines.base import EngineContext
+from engines.ring import bucket_for, grouped_attention
 from engines.table4 import Int4Embedding
 from runner import run_cell
 from tests.conftest import make_cfg
@@ -92,3 +93,49 @@ def test_int4_lookup_equals_the_dequantized_table(tiny, cache_dir):
     assert isinstance(lookup, Int4Embedding)
     assert torch.equal(lookup(ids), plain.model.model.embed_tokens_per_layer(ids))
     assert table4.model.model.embed_tokens_per_layer.packed.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    ("attend", "last_piece"), [("filled", "padded"), ("cache", "bucketed"), ("filled", "bucketed")]
+)
+def test_ring_reading_only_what_it_needs_writes_the_same_tokens(cell_cfg, tiny, attend, last_piece):
+    record = parity(
+        cell_cfg,
+        "ring",
+        f"engine.attend={attend}",
+        f"engine.last_piece={last_piece}",
+        "engine.piece=32",
+        "experiment.wrap_piece=32",
+        "experiment.wrap_extra=300",
+    )
+    for name in ("prompt", "long"):
+        out = record["outputs"][name]
+        assert out["first_difference"] is None and out["kl_max"] < 1e-6, name
+    engine = record["engine"]
+    assert engine["attend"] == attend and engine["last_piece"] == last_piece
+    buckets = [int(b) for b in engine["buckets"]]
+    if attend == "filled":  # the wrap prompt fills 10 pieces of 32: buckets 32, 64, ..., 512
+        assert len(buckets) > 2 and max(buckets) < engine["layout"]["full_slots"]
+    else:
+        assert buckets == [engine["layout"]["full_slots"]]
+    lengths = [int(n) for n in engine["piece_lengths"]]
+    assert (min(lengths) < 32) == (last_piece == "bucketed")
+    assert engine["graphs"] > 2 and engine["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("needed", "bucket"), [(1, 32), (32, 32), (33, 64), (64, 64), (65, 128), (200, 256), (1000, 1024), (1025, 1056)]
+)
+def test_bucket_for_rounds_up_to_piece_times_a_power_of_two(needed, bucket):
+    assert bucket_for(needed, piece=32, full=1056) == bucket
+
+
+def test_grouped_attention_equals_sdpa_with_gqa():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 5, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    keep = torch.rand(5, 40) > 0.3
+    keep[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep[None, None], scale=0.25, enable_gqa=True
+    )
+    assert torch.allclose(grouped_attention(q, k, v, keep, 0.25), expected, atol=1e-6)

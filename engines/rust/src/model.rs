@@ -258,8 +258,14 @@ impl Model {
             self.ring.k[&i].index_copy_(2, slots, &k.transpose(1, 2)?)?;
             self.ring.v[&i].index_copy_(2, slots, &v.transpose(1, 2)?)?;
         }
-        let out = Tensor::sdpa(&q.transpose(1, 2)?, &self.ring.k[&spec.source], &self.ring.v[&spec.source], &step.masks[kind], 1.0)?;
-        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
+        // The query heads that share a K/V head folded into the query length: the same products as
+        // grouped-query attention, one matrix product per K/V head (engines/ring.py: grouped_attention).
+        let heads = q.size(2);
+        let groups = heads / spec.kv_heads;
+        let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups * seq, spec.head_dim])?;
+        let mask = step.masks[kind].repeat(&[1, 1, groups, 1])?;
+        let out = Tensor::sdpa(&folded, &self.ring.k[&spec.source], &self.ring.v[&spec.source], &mask, 1.0)?;
+        out.reshape(&[1, heads, seq, spec.head_dim])?.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
     }
 
     /// One forward over `ids` at `positions` (padding rows have `valid` false); logits [1, V] of `row`.
