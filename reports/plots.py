@@ -31,13 +31,16 @@ def decode_rates(decode: pd.DataFrame, out: Path) -> str | None:
 
 
 def decode_vs_context(decode: pd.DataFrame, out: Path) -> str | None:
-    multi = decode.groupby(["engine", "model", "device", "read_every"]).filter(lambda g: g.context.nunique() > 1)
+    lines = ["engine", "engine_config", "model", "device", "read_every"]  # one line per way (attend=... apart)
+    multi = decode.groupby(lines).filter(lambda g: g.context.nunique() > 1)
     if multi.empty:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (engine, model, device, read_every), group in multi.groupby(["engine", "model", "device", "read_every"]):
+    for (engine, config, model, device, read_every), group in multi.groupby(lines):
         group = group.sort_values("context")
-        ax.plot(group.context, group.decode_median, marker="o", label=f"{engine} ({model}, {device}, r={read_every})")
+        way = " ".join(p for p in config.split() if p.startswith(("attend=", "last_piece=", "weights=")))
+        label = f"{engine}{' ' + way if way else ''} ({model}, {device}, r={read_every})"
+        ax.plot(group.context, group.decode_median, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (cache slots)")
     ax.set_ylabel("decode tok/s (median)")
