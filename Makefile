@@ -9,7 +9,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean
+.PHONY: setup demo test report sweep lint clean bench-int4
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -47,6 +47,12 @@ sweep: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# One E2B-shaped linear, dense bf16 against int4, on this machine's device (pytest-benchmark); its JSON
+# goes under evidence/bench/, where `make report` reads it.
+bench-int4: setup
+	@mkdir -p evidence/bench
+	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
 
 lint: setup
 	$(BIN)/ruff check .

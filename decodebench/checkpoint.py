@@ -54,7 +54,8 @@ class Checkpoint:
 
 @dataclass
 class PackedTable:
-    """An int4 table kept packed: int32 words [rows, cols/8], one scale per 32 columns."""
+    """An int4 weight kept packed as the checkpoint stores it (a table, or a linear [out, in]): int32
+    words [rows, cols/8] of level + 8, low nibble first, and one scale per 32 columns."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -236,11 +237,12 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs
 
 
 def text_state_dict(
-    ckpt: Checkpoint, dtype: torch.dtype, keep_packed: tuple[str, ...] = ()
+    ckpt: Checkpoint, dtype: torch.dtype, keep_packed: tuple[str, ...] = (), keep_linears: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, PackedTable]]:
     """The model's state dict (names as ``Gemma4ForCausalLM`` wants them), dequantized to ``dtype``.
 
-    Tables named in ``keep_packed`` stay int4 and are returned separately, keyed by module path.
+    Tables named in ``keep_packed`` (and with ``keep_linears`` every packed linear) stay int4 and are
+    returned separately, keyed by module path.
     """
     tensors = read_tensors(ckpt.path)
     prefix = _text_prefix(list(tensors))
@@ -261,7 +263,7 @@ def text_state_dict(
             is_table = module.endswith(("embed_tokens", "embed_tokens_per_layer")) or module == "lm_head"
             args = _quant_args(ckpt.quantization, stored_module, is_table)
             scale = tensors[f"{stored_module}.weight_scale"]
-            if module.rpartition(".")[2] in keep_packed:
+            if module.rpartition(".")[2] in keep_packed or (keep_linears and not is_table):
                 shape = tuple(tensors[f"{stored_module}.weight_shape"].tolist())
                 packed[module] = PackedTable(tensors[stored], scale, shape)
                 continue
@@ -274,14 +276,19 @@ def text_state_dict(
 
 
 def load_model(
-    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, keep_packed: tuple[str, ...] = ()
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_packed: tuple[str, ...] = (),
+    keep_linears: bool = False,
 ) -> tuple[Gemma4ForCausalLM, dict[str, PackedTable]]:
     """Builds ``Gemma4ForCausalLM`` on ``device`` from the checkpoint; errors on any missing weight.
 
-    Tables named in ``keep_packed`` get a zero-stride placeholder that holds no memory; the caller
-    replaces those modules with its own int4 lookup (the 4-bit-table engine does).
+    Weights kept packed (``keep_packed`` tables, ``keep_linears``) get a zero-stride placeholder that
+    holds no memory; the caller replaces those modules with its own int4 ones (engines/table4.py,
+    engines/int4.py).
     """
-    state, packed = text_state_dict(ckpt, dtype, keep_packed)
+    state, packed = text_state_dict(ckpt, dtype, keep_packed, keep_linears)
     config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
     if "lm_head.weight" in state:
         config.tie_word_embeddings = False

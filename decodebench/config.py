@@ -66,6 +66,13 @@ class LastPiece(StrEnum):
     bucketed = "bucketed"
 
 
+class Weights(StrEnum):
+    """How the W4A16 linears are held while they compute: dequantized at load, or 4-bit (engines/int4.py)."""
+
+    dense = "dense"
+    int4 = "int4"
+
+
 class Tables(StrEnum):
     """Which twin engines read: bf16 vocabulary tables (``-ct-text``) or int4 ones (``-emb4``)."""
 
@@ -113,6 +120,7 @@ class CompiledEngineConfig(EngineConfig):
 
     backend: str = "auto"
     fullgraph: bool = False
+    weights: Weights = Weights.dense
 
 
 @dataclass

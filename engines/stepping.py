@@ -20,7 +20,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from decodebench.checkpoint import load_model
+from decodebench.config import Weights
 from decodebench.device import Device
+from engines import int4
 from engines.base import Engine, Generation
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -55,12 +57,25 @@ class SteppingEngine(Engine):
     streams = True
     splits_phases = True
 
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        if run_cfg.engine.weights == Weights.int4:
+            reason = int4.unsupported(device.kind, run_cfg.dtype.torch)
+            if reason:
+                return reason
+        return super().unsupported_reason(device, run_cfg)
+
     def load(self) -> None:
         assert self.checkpoint is not None
         counters.clear()
         torch._dynamo.reset()
-        self.model, self.packed_tables = load_model(
-            self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device, keep_packed=self.keep_packed
+        device, dtype = self.ctx.device.torch_device, self.ctx.dtype
+        self.int4 = self.ctx.engine_cfg.weights == Weights.int4
+        self.model, packed = load_model(self.checkpoint, dtype, device, self.keep_packed, keep_linears=self.int4)
+        tables = {p for p in packed if p.rpartition(".")[2] in self.keep_packed}
+        self.packed_tables = {p: w for p, w in packed.items() if p in tables}
+        self.int4_linears = int4.swap_linears(
+            self.model, {p: w for p, w in packed.items() if p not in tables}, dtype, device
         )
         self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
         self.build()
@@ -119,8 +134,12 @@ class SteppingEngine(Engine):
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
 
     def describe(self) -> dict[str, Any]:
+        weights = {"weights": str(self.ctx.engine_cfg.weights)}
+        if getattr(self, "int4", False):
+            weights.update(int4_kernel=int4.KERNELS[self.ctx.device.kind], int4_linears=self.int4_linears)
         return {
             "backend": getattr(self, "backend", None),
             "read_every": self.ctx.read_every,
+            **weights,
             **graph_counts(),
         }

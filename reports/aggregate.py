@@ -99,6 +99,7 @@ _COLUMNS = [
     "parity_top5_same",
     "parity_verdict",
     "weights",
+    "linear_weights",
     "utc_time",
     "cpu_model",
     "torch",
@@ -156,6 +157,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
         "parity_verdict": r.outputs.get("verdict"),
         "weights": r.model.get("weights"),
+        "linear_weights": cfg["engine"].get("weights", "dense"),
         "utc_time": env.get("utc_time"),
         "cpu_model": env.get("cpu_model"),
         "torch": env.get("packages", {}).get("torch"),
@@ -221,6 +223,7 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "bandwidth_source": last.bandwidth_source,
                 "hardware": last.hardware,
                 "weights": last.weights,
+                "linear_weights": last.linear_weights,
             }
         )
     table = pd.DataFrame(rows)
@@ -245,3 +248,34 @@ def _label(row: pd.Series) -> str:
     backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
     backend = f", {backend}" if backend else ""
     return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}, N={row.new_tokens}{stream}{backend})"
+
+
+def bench_table(folder: Path) -> pd.DataFrame:
+    """pytest-benchmark's JSON files (``make bench-int4``): one row per benchmark, median seconds and
+    the dense/int4 ratio per shape on the same machine."""
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        cpu = data.get("machine_info", {}).get("cpu", {}).get("brand_raw", "")
+        for bench in data.get("benchmarks", []):
+            params = bench.get("params") or {}
+            shape = "x".join(map(str, params.get("shape", ())))
+            rows.append(
+                {
+                    "file": path.name,
+                    "cpu": cpu,
+                    "device": bench.get("extra_info", {}).get("device", ""),
+                    "shape": shape,
+                    "weights": params.get("weights", ""),
+                    "kernel": bench.get("extra_info", {}).get("kernel", ""),
+                    "median_s": bench["stats"]["median"],
+                    "rounds": bench["stats"]["rounds"],
+                }
+            )
+    table = pd.DataFrame(rows, columns=["file", "cpu", "device", "shape", "weights", "kernel", "median_s", "rounds"])
+    dense = table[table.weights == "dense"].set_index(["file", "shape"]).median_s
+    table["x_dense"] = [
+        dense.get((r.file, r.shape), float("nan")) / r.median_s if r.weights == "int4" else None
+        for _, r in table.iterrows()
+    ]
+    return table

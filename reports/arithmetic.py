@@ -170,14 +170,15 @@ def costs(decode: pd.DataFrame) -> list[Entry]:
 
 
 def bytes_per_token(
-    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int
+    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int, int4_linears: bool = False
 ) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``.
 
     ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
     MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
     (one row each); each layer reads its source cache over min(position, window) sliding or
-    position full slots.
+    position full slots. With ``int4_linears`` (``engine.weights=int4``) a linear reads half a byte
+    per weight plus a scale and a zero per 32 weights in the run's dtype, as the kernels hold them.
     """
     h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
     vocab, window = shape["vocab_size"], shape["sliding_window"]
@@ -190,8 +191,9 @@ def bytes_per_token(
         slots = position if layer["type"] == "full_attention" else min(position, window)
         kv += 2 * kv_heads * d * dtype_bytes * slots
     linear += h * len(layers) * ple  # per_layer_model_projection
+    params = linear + ple_proj
     parts = {
-        "linears": (linear + ple_proj) * dtype_bytes,
+        "linears": params / 2 + params / 32 * 2 * dtype_bytes if int4_linears else params * dtype_bytes,
         "lm_head": vocab * h * dtype_bytes,
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
@@ -209,14 +211,15 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
         if not model.get("layers") or row.bandwidth_gb_s is None:
             continue
         position = int(row.prompt_tokens + row.new_tokens // 2)
-        weights, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[row["dtype"]], position)
+        int4 = row.linear_weights == "int4"
+        weights, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[row["dtype"]], position, int4)
         per_token = weights + kv
         label = row.key
         entries.append(
             Entry(
                 f"bytes-per-token/{row.engine}/{label}",
-                f"bytes read per decoded token by {row.engine} (weights at the engine's resident {row['dtype']} "
-                f"precision, KV at position {position})",
+                f"bytes read per decoded token by {row.engine} (linears {'int4 + scales' if int4 else row['dtype']}, "
+                f"the rest at the engine's resident {row['dtype']} precision, KV at position {position})",
                 "linears + lm_head + embedding rows + KV(position)",
                 [Input(name, value, "B", f"model shape and layers in {row.files[-1]}") for name, value in parts.items()]
                 + [

@@ -107,6 +107,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         articles=pub.articles,
         figures=figures,
         published_recall=published_data.recall_table(figures),
+        bench=aggregate.bench_table(evidence_dir.parent / "bench"),
         comparator=lambda row: published_data.comparator(
             figures, row.engine, int(row.context), published_data.twin(row.weights)
         ),

@@ -161,6 +161,7 @@ def row(**values) -> pd.Series:
         "bandwidth_source": "facts file",
         "prompt_tokens": 19,
         "key": "m/k/tpu/ctx256/bfloat16/N=64/read_every=0",
+        "linear_weights": "dense",
     }
     return pd.Series({**base, **values})
 
@@ -281,3 +282,12 @@ def test_published_figures_print_as_printed_and_recall_in_the_articles_shape():
         "yes",
     )
     assert recall.iloc[-1].found == "no" and recall.iloc[-1].same_as_laptop == "yes"
+
+
+def test_an_int4_cell_is_credited_with_int4_bytes_only():
+    model = e2b_model_block()
+    _, _, dense = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000)
+    _, _, packed = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000, int4_linears=True)
+    params = 1_876_819_968  # the quantizable linears of E2B (notes 1.5)
+    assert packed["linears"] == params / 2 + params / 32 * 2 * 2  # half a byte, plus a bf16 scale and zero per 32
+    assert packed["lm_head"] == dense["lm_head"] and packed["linears"] < dense["linears"] / 3

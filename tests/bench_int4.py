@@ -1,0 +1,45 @@
+"""``make bench-int4``: one E2B-shaped linear at batch 1, dense bf16 against int4, timed by pytest-benchmark.
+
+Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
+pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
+also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodebench.device import resolve_device
+from engines import int4
+from tests.test_int4 import packed_weight
+
+SHAPES = [(1536, 12288), (12288, 1536)]  # E2B's MLP down and up projections as [out, in]
+
+
+@pytest.fixture(scope="module")
+def device():
+    return resolve_device("auto")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("weights", ["dense", "int4"])
+def test_linear(benchmark, device, shape, weights):
+    reason = int4.unsupported(device.kind, torch.bfloat16)
+    if weights == "int4" and reason:
+        pytest.skip(reason)
+    packed, dense = packed_weight(*shape)
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device.torch_device)
+    w = dense.to(torch.bfloat16).to(device.torch_device)
+    layer = int4.Int4Linear(packed, torch.bfloat16, device.torch_device) if weights == "int4" else None
+
+    def call() -> torch.Tensor:
+        y = layer(x) if layer is not None else F.linear(x, w)
+        device.sync()
+        return y
+
+    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else "F.linear")
+    y = benchmark(call)
+    reference = F.linear(x.float(), dense.to(device.torch_device))
+    assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()
