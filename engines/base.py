@@ -78,9 +78,12 @@ class Engine(ABC):
 
     def prepare(self) -> None:
         """Finds the checkpoint (building a synthetic one on first use) and its tokenizer; not timed."""
-        tables = self.tables or self.ctx.model_cfg.tables
-        self.checkpoint = resolve(self.ctx.model_cfg, tables, self.ctx.cache_dir)
+        self.checkpoint = resolve(self.ctx.model_cfg, self.twin(), self.ctx.cache_dir)
         self.tokenizer = load_tokenizer(self.checkpoint)
+
+    def twin(self) -> str:
+        """Which twin this engine reads: its own (``tables``) or the model config's."""
+        return self.tables or self.ctx.model_cfg.tables
 
     @abstractmethod
     def load(self) -> None:

@@ -1,4 +1,8 @@
-"""Linears that stay 4-bit while they compute (``engine.weights=int4``), one existing kernel per device.
+"""Weights that stay 4-bit while they compute (``engine.weights=int4``), one existing kernel per device.
+
+With ``engine.weights=int4`` an engine reads the ``-emb4`` twin, where every large tensor is int4, and
+keeps them so: the vocabulary tables as ``Int4Embedding`` (packed rows looked up, only those
+unpacked) and every linear, ``lm_head`` included, as ``Int4Linear``.
 
 The checkpoint's W4A16 levels and group-32 scales are used as stored (no re-quantization), repacked
 once at load into the layout the device's kernel wants:
@@ -14,6 +18,8 @@ the checkpoint's w = level * scale exactly.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -22,6 +28,37 @@ from torch import nn
 from decodebench.checkpoint import PackedTable
 
 GROUP = 32
+LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")  # tables read by row: kept packed as Int4Embedding
+# The checkpoint stores the table's scales in float16 and a bf16 run writes bf16 rows, so inductor's
+# CPU code generator sees both in one fused lookup and says so. The lookup unpacks in float32, so
+# nothing is lost; converting the scales instead would either round the checkpoint's own numbers
+# (bf16) or double their bytes (float32), against the point of keeping the table 4-bit.
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
+
+
+class Int4Embedding(nn.Module):
+    """An embedding whose table stays packed: int32 words [rows, cols/8], scales [rows, cols/32].
+
+    ``forward(ids)`` gives the same values as the dequantized table times ``embed_scale``, in ``dtype``.
+    """
+
+    def __init__(self, table: PackedTable, embed_scale: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("packed", table.packed.to(device))
+        self.register_buffer("scale", table.scale.to(device))
+        self.register_buffer("shifts", torch.arange(0, 32, 4, dtype=torch.int32, device=device))
+        self.cols = table.shape[1]
+        self.dtype = dtype
+        self.embed_scale = embed_scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        words, scale = self.packed[ids], self.scale[ids]
+        levels = ((words.unsqueeze(-1) >> self.shifts) & 15).to(torch.float32) - 8
+        groups = levels.view(*ids.shape, scale.shape[-1], -1) * scale.unsqueeze(-1).to(torch.float32)
+        weights = groups.view(*ids.shape, self.cols).to(self.dtype)
+        return weights * torch.tensor(self.embed_scale, dtype=self.dtype, device=ids.device)
+
+
 KERNELS = {
     "cpu": "aten._weight_int4pack_mm_for_cpu",
     "cuda": "aten._weight_int4pack_mm (tinygemm)",
@@ -81,3 +118,11 @@ def swap_linears(model: nn.Module, packed: dict[str, PackedTable], dtype: torch.
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, Int4Linear(weight, dtype, device))
     return len(packed)
+
+
+def swap_lookups(model: nn.Module, packed: dict[str, PackedTable], dtype: torch.dtype, device: torch.device) -> None:
+    """Replaces each packed table (module path -> its weight) with an ``Int4Embedding`` of the same scale."""
+    for path, table in packed.items():
+        parent, _, leaf = path.rpartition(".")
+        old = model.get_submodule(path)
+        setattr(model.get_submodule(parent), leaf, Int4Embedding(table, old.scalar_embed_scale, dtype, device))

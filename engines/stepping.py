@@ -20,7 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from decodebench.checkpoint import load_model
-from decodebench.config import Weights
+from decodebench.config import Tables, Weights
 from decodebench.device import Device
 from engines import int4
 from engines.base import Engine, Generation
@@ -65,18 +65,25 @@ class SteppingEngine(Engine):
                 return reason
         return super().unsupported_reason(device, run_cfg)
 
+    def twin(self) -> str:
+        """``engine.weights=int4`` reads the ``-emb4`` twin, whose tables and ``lm_head`` are int4 too."""
+        return Tables.int4 if self.ctx.engine_cfg.weights == Weights.int4 else super().twin()
+
     def load(self) -> None:
         assert self.checkpoint is not None
         counters.clear()
         torch._dynamo.reset()
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
-        self.model, packed = load_model(self.checkpoint, dtype, device, self.keep_packed, keep_linears=self.int4)
-        tables = {p for p in packed if p.rpartition(".")[2] in self.keep_packed}
-        self.packed_tables = {p: w for p, w in packed.items() if p in tables}
-        self.int4_linears = int4.swap_linears(
-            self.model, {p: w for p, w in packed.items() if p not in tables}, dtype, device
-        )
+        lookups = tuple(dict.fromkeys(self.keep_packed + (int4.LOOKUPS if self.int4 else ())))
+        keep = lookups + (("lm_head",) if self.int4 else ())
+        self.model, packed = load_model(self.checkpoint, dtype, device, keep, keep_linears=self.int4)
+        self.packed_tables = {p: w for p, w in packed.items() if p.rpartition(".")[2] in lookups}
+        int4.swap_lookups(self.model, self.packed_tables, dtype, device)
+        linears = {p: w for p, w in packed.items() if p not in self.packed_tables}
+        if self.int4 and "lm_head" not in linears and self.model.config.tie_word_embeddings:
+            linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
+        self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
         self.build()
         self.compiled_step: Step = self.compile(self.step)
@@ -134,9 +141,13 @@ class SteppingEngine(Engine):
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
 
     def describe(self) -> dict[str, Any]:
-        weights = {"weights": str(self.ctx.engine_cfg.weights)}
+        weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights)}
         if getattr(self, "int4", False):
             weights.update(int4_kernel=int4.KERNELS[self.ctx.device.kind], int4_linears=self.int4_linears)
+        for path, table in getattr(self, "packed_tables", {}).items():
+            rows, cols = table.shape
+            weights[f"{path.rpartition('.')[2]}_bytes"] = table.packed.nbytes + table.scale.nbytes
+            weights[f"{path.rpartition('.')[2]}_dense_bytes"] = rows * cols * self.ctx.dtype.itemsize
         return {
             "backend": getattr(self, "backend", None),
             "read_every": self.ctx.read_every,

@@ -12,8 +12,8 @@ import torch
 from decodebench.device import resolve_device
 from engines import ENGINES
 from engines.base import EngineContext
+from engines.int4 import Int4Embedding
 from engines.ring import bucket_for, grouped_attention
-from engines.table4 import Int4Embedding
 from runner import run_cell
 from tests.conftest import make_cfg
 
