@@ -177,8 +177,9 @@ def bytes_per_token(
     ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
     MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
     (one row each); each layer reads its source cache over min(position, window) sliding or
-    position full slots. With ``int4_linears`` (``engine.weights=int4``) a linear reads half a byte
-    per weight plus a scale and a zero per 32 weights in the run's dtype, as the kernels hold them.
+    position full slots. With ``int4_linears`` (``engine.weights=int4``) every linear, ``lm_head``
+    included, reads half a byte per weight plus a scale and a zero per 32 weights in the run's
+    dtype, as the kernels hold them.
     """
     h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
     vocab, window = shape["vocab_size"], shape["sliding_window"]
@@ -191,10 +192,12 @@ def bytes_per_token(
         slots = position if layer["type"] == "full_attention" else min(position, window)
         kv += 2 * kv_heads * d * dtype_bytes * slots
     linear += h * len(layers) * ple  # per_layer_model_projection
-    params = linear + ple_proj
+    def held(params: float) -> float:  # bytes a weight matrix is read at
+        return params / 2 + params / 32 * 2 * dtype_bytes if int4_linears else params * dtype_bytes
+
     parts = {
-        "linears": params / 2 + params / 32 * 2 * dtype_bytes if int4_linears else params * dtype_bytes,
-        "lm_head": vocab * h * dtype_bytes,
+        "linears": held(linear + ple_proj),
+        "lm_head": held(vocab * h),
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
     return sum(parts.values()), kv, parts
