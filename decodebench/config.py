@@ -60,10 +60,12 @@ class Attend(StrEnum):
 
 class LastPiece(StrEnum):
     """How the ring reads a prompt's last, partly filled piece: padded to a whole piece (the article's
-    two programs), or padded only to a power of two of at least 16 tokens (a program per length)."""
+    two programs), padded only to a power of two of at least 16 tokens (a program per length), or
+    read at its exact length (a program per distinct length: what a short prompt costs exactly)."""
 
     padded = "padded"
     bucketed = "bucketed"
+    exact = "exact"
 
 
 class Weights(StrEnum):

@@ -11,7 +11,8 @@
   rounded up to ``piece * 2**j`` (``bucket_for``), so a short prompt in a large cache does not attend
   over empty slots; each bucket is one more compiled piece or step program, counted in ``buckets``.
 * ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
-  least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length).
+  least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
+  ``exact`` reads it at its own length (a program per distinct length).
 * Attention folds the query heads that share a K/V head into the query length (``grouped_attention``):
   the same products as ``enable_gqa``, as one matrix product per K/V head.
 
@@ -187,7 +188,7 @@ class RingEngine(SteppingEngine):
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         self.filled = self.ctx.engine_cfg.attend == Attend.filled
-        self.bucketed_last = self.ctx.engine_cfg.last_piece == LastPiece.bucketed
+        self.bucketed_last = self.ctx.engine_cfg.last_piece != LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
         if self.filled or self.bucketed_last:  # a program per bucket and length: keep them, never evict
@@ -236,8 +237,11 @@ class RingEngine(SteppingEngine):
 
     def piece_length(self, count: int) -> int:
         """Tokens a piece holding ``count`` prompt tokens is padded to."""
-        if not self.bucketed_last or count == self.ring.piece:
+        mode = self.ctx.engine_cfg.last_piece
+        if mode == LastPiece.padded or count == self.ring.piece:
             return self.ring.piece
+        if mode == LastPiece.exact:
+            return count
         return min(self.ring.piece, max(MIN_PIECE, 2 ** math.ceil(math.log2(count))))
 
     def before_step(self, position: int) -> None:

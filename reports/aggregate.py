@@ -265,17 +265,17 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "file": path.name,
                     "cpu": cpu,
                     "device": bench.get("extra_info", {}).get("device", ""),
-                    "shape": shape,
+                    "linear": shape,
                     "weights": params.get("weights", ""),
                     "kernel": bench.get("extra_info", {}).get("kernel", ""),
                     "median_s": bench["stats"]["median"],
                     "rounds": bench["stats"]["rounds"],
                 }
             )
-    table = pd.DataFrame(rows, columns=["file", "cpu", "device", "shape", "weights", "kernel", "median_s", "rounds"])
-    dense = table[table.weights == "dense"].set_index(["file", "shape"]).median_s
+    table = pd.DataFrame(rows, columns=["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "rounds"])
+    dense = table[table.weights == "dense"].set_index(["file", "linear"]).median_s
     table["x_dense"] = [
-        dense.get((r.file, r.shape), float("nan")) / r.median_s if r.weights == "int4" else None
+        dense.get((r.file, r.linear), float("nan")) / r.median_s if r.weights == "int4" else None
         for _, r in table.iterrows()
     ]
     return table

@@ -192,6 +192,7 @@ def bytes_per_token(
         slots = position if layer["type"] == "full_attention" else min(position, window)
         kv += 2 * kv_heads * d * dtype_bytes * slots
     linear += h * len(layers) * ple  # per_layer_model_projection
+
     def held(params: float) -> float:  # bytes a weight matrix is read at
         return params / 2 + params / 32 * 2 * dtype_bytes if int4_linears else params * dtype_bytes
 

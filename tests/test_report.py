@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ import yaml
 from decodebench.checkpoint import layers_of_config, shape_of_config
 from decodebench.synthetic import shape_of, text_config
 from decodebench.synthetic_tokenizer import TURN_END
-from reports import arithmetic, published, render
+from reports import aggregate, arithmetic, published, render
 from runner import run_cell
 from tests.conftest import REPO, make_cfg
 
@@ -292,3 +293,15 @@ def test_an_int4_cell_is_credited_with_int4_bytes_only():
     assert packed["linears"] == params / 2 + params / 32 * 2 * 2  # half a byte, plus a bf16 scale and zero per 32
     assert packed["lm_head"] == 262144 * 1536 / 2 + 262144 * 1536 / 32 * 2 * 2  # lm_head is int4 too
     assert packed["linears"] < dense["linears"] / 3
+
+
+def test_bench_table_reads_pytest_benchmark_json(tmp_path):
+    def bench(weights: str, median: float) -> dict:
+        params = {"shape": [1536, 12288], "weights": weights}
+        return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": {"device": "cpu"}}
+
+    data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": [bench("dense", 2e-3), bench("int4", 1e-3)]}
+    (tmp_path / "int4-linear.json").write_text(json.dumps(data))
+    table = aggregate.bench_table(tmp_path)
+    assert list(table.linear) == ["1536x12288"] * 2
+    assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
