@@ -9,9 +9,7 @@ the checkpoint lacks is an error, never a silent random init (the trap in shared
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -328,15 +326,14 @@ def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -
         quantization = json.loads(json.dumps(ckpt.quantization))
         quantization["ignore"] = [re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]]
         config.quantization_config = quantization
-    with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' four progress bars per load
-        model, info = Gemma4ForCausalLM.from_pretrained(
-            str(ckpt.path),
-            config=config,
-            key_mapping={r"^model\.language_model\.": "model."},
-            dtype=dtype,
-            device_map=str(device),
-            output_loading_info=True,
-        )
+    model, info = Gemma4ForCausalLM.from_pretrained(
+        str(ckpt.path),
+        config=config,
+        key_mapping={r"^model\.language_model\.": "model."},
+        dtype=dtype,
+        device_map=str(device),
+        output_loading_info=True,
+    )
     if info["missing_keys"]:
         raise CheckpointError(
             f"reference load of {ckpt.path} left weights uninitialised: {sorted(info['missing_keys'])[:8]}"

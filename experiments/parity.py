@@ -11,7 +11,9 @@ or that the engine cannot hold, is recorded with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 from typing import Any
 
 import torch
@@ -70,12 +72,14 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
     """Greedy ids and logits of Transformers' own model for each prompt; the model is freed after."""
     cfg = cell.cfg
     ckpt = resolve(cfg.model, "bf16", cfg.cache_dir)
-    model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
-    model.config._attn_implementation = "eager"
     out = {}
-    for name, ids in prompts.items():
-        gen = expect_tokens(greedy_generate(model, ids, n, return_logits=True), n, "the reference")
-        out[name] = (gen.tokens, gen.logits)
+    # compressed-tensors draws progress bars at load and again when it unpacks at the first forward
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
+        model.config._attn_implementation = "eager"
+        for name, ids in prompts.items():
+            gen = expect_tokens(greedy_generate(model, ids, n, return_logits=True), n, "the reference")
+            out[name] = (gen.tokens, gen.logits)
     del model
     gc.collect()
     return out
