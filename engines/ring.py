@@ -87,6 +87,7 @@ class RingCache:
         self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin()
+        self.folded: dict[tuple[bool, int], torch.Tensor] = {}  # (sliding, query groups) -> [G*S, slots]
         self.bucket = self.full_slots  # full-layer slots the next forward reads (a host int: one program each)
 
     def nbytes(self) -> int:
@@ -127,18 +128,27 @@ class RingCache:
             True: (ring >= 0) & (ring <= qpos) & (qpos - ring < self.window),
             False: (full >= 0) & (full <= qpos),
         }
+        self.folded = {}
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self.ring_slot if self.sliding[layer] else self.query_pos
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V of the layer's source and the [S, slots] mask of keys each query may see."""
-        src, sliding = self.source[layer], self.sliding[layer]
-        if sliding:
-            return self.k[src], self.v[src], self.masks[True]
-        return self.k[src][:, :, : self.bucket], self.v[src][:, :, : self.bucket], self.masks[False]
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the layer's source: every ring slot (sliding), or the first ``bucket`` slots (full)."""
+        src = self.source[layer]
+        if self.sliding[layer]:
+            return self.k[src], self.v[src]
+        return self.k[src][:, :, : self.bucket], self.v[src][:, :, : self.bucket]
+
+    def mask(self, layer: int, groups: int) -> torch.Tensor:
+        """The [groups * S, slots] mask of the keys each query may see, for queries folded ``groups``
+        to a K/V head (built once per forward and shared by the layers of the same type)."""
+        sliding = self.sliding[layer]
+        if (sliding, groups) not in self.folded:
+            self.folded[sliding, groups] = self.masks[sliding].repeat(groups, 1)
+        return self.folded[sliding, groups]
 
 
 def ring_attention(
@@ -159,7 +169,8 @@ def ring_attention(
         k = apply_rotary_pos_emb(self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
         v = self.v_norm(self.v_proj(hidden_states).view(shape))
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
-    keys, values, keep = ring.read(self.layer_idx)
+    keys, values = ring.read(self.layer_idx)
+    keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1])
     out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
     return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
 
@@ -167,16 +178,13 @@ def ring_attention(
 def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """SDPA with each K/V head's query heads folded into the query length: q [B, H, S, D], keys and
-    values [B, KV, slots, D], keep [S, slots] -> [B, H, S, D]. The products are the same as with
-    ``enable_gqa`` (head h reads K/V head h // (H/KV)); on a CPU one [G*S, slots] product per K/V
-    head is far cheaper than G broadcast ones."""
+    """SDPA with each K/V head's G = H/KV query heads folded into the query length: q [B, H, S, D],
+    keys and values [B, KV, slots, D], keep [G*S, slots] (the [S, slots] mask repeated G times) ->
+    [B, H, S, D]. The products are the same as with ``enable_gqa`` (head h reads K/V head h // G);
+    on a CPU one [G*S, slots] product per K/V head is far cheaper than G broadcast ones."""
     batch, heads, seq, dim = q.shape
-    groups = heads // keys.shape[1]
-    folded = q.reshape(batch, keys.shape[1], groups * seq, dim)
-    out = F.scaled_dot_product_attention(
-        folded, keys, values, attn_mask=keep.repeat(groups, 1)[None, None], scale=scale
-    )
+    folded = q.reshape(batch, keys.shape[1], heads // keys.shape[1] * seq, dim)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[None, None], scale=scale)
     return out.view(batch, heads, seq, values.shape[-1])
 
 
@@ -188,10 +196,10 @@ class RingEngine(SteppingEngine):
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         self.filled = self.ctx.engine_cfg.attend == Attend.filled
-        self.bucketed_last = self.ctx.engine_cfg.last_piece != LastPiece.padded
+        self.short_last_piece = self.ctx.engine_cfg.last_piece != LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
-        if self.filled or self.bucketed_last:  # a program per bucket and length: keep them, never evict
+        if self.filled or self.short_last_piece:  # a program per bucket and length: keep them, never evict
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_PROGRAMS)
         for layer in self.model.model.layers:
             attn = layer.self_attn
