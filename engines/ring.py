@@ -13,8 +13,9 @@
 * ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
   least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
   ``exact`` reads it at its own length (a program per distinct length).
-* Attention folds the query heads that share a K/V head into the query length (``grouped_attention``):
-  the same products as ``enable_gqa``, as one matrix product per K/V head.
+* A decode step folds the query heads that share a K/V head into the query length
+  (``grouped_attention``): the same products as ``enable_gqa``, as one matrix product per K/V head.
+  A prompt piece keeps ``enable_gqa``: folding 256 queries would repeat its mask G times.
 
 Only attention is replaced (``Gemma4TextAttention.forward`` on each layer, as the article does); the
 projections, norms, RoPE, MLP and per-layer embeddings are Transformers' own modules.
@@ -146,6 +147,8 @@ class RingCache:
         """The [groups * S, slots] mask of the keys each query may see, for queries folded ``groups``
         to a K/V head (built once per forward and shared by the layers of the same type)."""
         sliding = self.sliding[layer]
+        if groups == 1:
+            return self.masks[sliding]
         if (sliding, groups) not in self.folded:
             self.folded[sliding, groups] = self.masks[sliding].repeat(groups, 1)
         return self.folded[sliding, groups]
@@ -170,8 +173,14 @@ def ring_attention(
         v = self.v_norm(self.v_proj(hidden_states).view(shape))
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
     keys, values = ring.read(self.layer_idx)
-    keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1])
-    out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
+    if seq == 1:  # a decode step: fold the query heads (for a piece the G-times larger mask costs more)
+        keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1])
+        out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
+    else:
+        keep = ring.mask(self.layer_idx, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=keep[None, None], scale=self.scaling, enable_gqa=True
+        )
     return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
 
 

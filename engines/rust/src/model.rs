@@ -258,14 +258,20 @@ impl Model {
             self.ring.k[&i].index_copy_(2, slots, &k.transpose(1, 2)?)?;
             self.ring.v[&i].index_copy_(2, slots, &v.transpose(1, 2)?)?;
         }
-        // The query heads that share a K/V head folded into the query length: the same products as
-        // grouped-query attention, one matrix product per K/V head (engines/ring.py: grouped_attention).
-        let heads = q.size(2);
-        let groups = heads / spec.kv_heads;
-        let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups * seq, spec.head_dim])?;
-        let mask = step.masks[kind].repeat(&[1, 1, groups, 1])?;
-        let out = Tensor::sdpa(&folded, &self.ring.k[&spec.source], &self.ring.v[&spec.source], &mask, 1.0)?;
-        out.reshape(&[1, heads, seq, spec.head_dim])?.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
+        // A decode step folds the query heads that share a K/V head into the query length: the same
+        // products as grouped-query attention, one matrix product per K/V head (engines/ring.py).
+        // Only for a decode step: a prompt piece keeps grouped-query attention (its mask would grow G times).
+        let (k, v) = (&self.ring.k[&spec.source], &self.ring.v[&spec.source]);
+        let out = if seq == 1 {
+            let heads = q.size(2);
+            let groups = heads / spec.kv_heads;
+            let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups, spec.head_dim])?;
+            let mask = step.masks[kind].repeat(&[1, 1, groups, 1])?;
+            Tensor::sdpa(&folded, k, v, &mask, 1.0)?.reshape(&[1, heads, 1, spec.head_dim])?
+        } else {
+            Tensor::sdpa(&q.transpose(1, 2)?, k, v, &step.masks[kind], 1.0)?
+        };
+        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
     }
 
     /// One forward over `ids` at `positions` (padding rows have `valid` false); logits [1, V] of `row`.
