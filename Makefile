@@ -17,10 +17,10 @@ RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RU
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust])"
+	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax])"
 	@$(BIN)/pip install -qq --upgrade pip
 	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
-	@$(BIN)/pip install -qq -e ".[dev,rust]"
+	@$(BIN)/pip install -qq -e ".[dev,rust,jax]"
 	@touch $(STAMP)
 
 # The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates
@@ -31,7 +31,7 @@ $(RUST_STAMP): $(STAMP) $(RUST_SOURCES) scripts/build_rust.py
 
 setup: $(STAMP) $(RUST_STAMP)
 
-ENGINES ?= generate,static,compiled,table4,ring,rust,fuse
+ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
 demo: setup
 	$(BIN)/python run.py -m engine=$(ENGINES) model=tiny sweep=$(SWEEP)

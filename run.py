@@ -5,6 +5,7 @@ Every cell writes one evidence file under ``evidence/runs/<sweep>/``, even when 
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import hydra
@@ -15,6 +16,7 @@ from runner import is_multirun, register_configs, run_cell
 
 register_configs()
 transformers_logging.disable_progress_bar()  # one line per cell: no per-cell "Loading weights" bar
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # not its search for a TPU on every machine
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

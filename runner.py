@@ -20,7 +20,7 @@ from decodebench import evidence, hardware
 from decodebench.checkpoint import CheckpointError
 from decodebench.config import ConfigError, validate, validate_sweep
 from decodebench.config import register_configs as register_core
-from decodebench.device import DeviceUnavailable, resolve_device
+from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device
 from decodebench.environment import capture
 from engines import engine_class
 from engines import register_configs as register_engines
@@ -70,7 +70,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         experiment = EXPERIMENTS.get(cfg.experiment.name)
         if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
-        device = resolve_device(cfg.device.kind)
+        device = resolve_device(cfg.device.kind, engine_cls.framework)
         record.environment = capture(device)
         record.hardware = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
         reason = engine_cls.unsupported_reason(device, cfg)
@@ -98,7 +98,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
             record.status = "ok"
             record.measurements, record.samples = result.measurements, result.samples
             record.outputs, record.timers = result.outputs, result.timers
-    except EngineLimit as exc:
+    except (EngineLimit, DeviceHeld) as exc:  # cannot run here: skipped, with the reason
         record.status, record.reason = "skipped", str(exc)
     except EXPECTED as exc:
         record.status, record.reason, record.traceback = "failed", str(exc), traceback.format_exc()

@@ -75,6 +75,16 @@ class Weights(StrEnum):
     int4 = "int4"
 
 
+class StepMatmul(StrEnum):
+    """How the JAX engine's decode step multiplies a token by a weight: ``dot`` (XLA's dot), ``reduce``
+    (a fused float32 multiply-and-sum), or ``auto`` (both timed at load on the model's largest linear;
+    the faster runs, and both times are evidence)."""
+
+    auto = "auto"
+    dot = "dot"
+    reduce = "reduce"
+
+
 class Tables(StrEnum):
     """Which twin engines read: bf16 vocabulary tables (``-ct-text``) or int4 ones (``-emb4``)."""
 
@@ -152,6 +162,16 @@ class RustEngineConfig(EngineConfig):
 
 
 @dataclass
+class JaxEngineConfig(EngineConfig):
+    """Gemma 4 in ``jax.numpy`` under ``jax.jit`` (engines/jax_model.py): the ring cache's layout and
+    pieces, two programs; ``weights=int4`` keeps every packed linear 4-bit, unpacked inside the step."""
+
+    piece: int = 256
+    weights: Weights = Weights.dense
+    step_matmul: StepMatmul = StepMatmul.auto
+
+
+@dataclass
 class ModelConfig:
     """A checkpoint: a synthetic one the project builds, or a real one from the hub or a path.
 
@@ -221,10 +241,16 @@ class DefaultExperimentConfig(RecallExperimentConfig):
 
 @dataclass
 class ParityExperimentConfig(ExperimentConfig):
-    """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict)."""
+    """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict).
+
+    ``all_tokens``: the verdict also needs every greedy token equal (float32). In bfloat16 two correct
+    implementations round differently and part at a near tie, so ``experiment=parity-bf16`` holds the
+    KL up to the first differing token to a stated bound and reports the tokens equal beside it.
+    """
 
     kl_mean: float = 1.0e-6
     kl_max: float = 1.0e-5
+    all_tokens: bool = True
     wrap_piece: int = 256  # long prompt: the ring's sliding slots at this piece (window + piece) + wrap_extra
     wrap_extra: int = 64
 

@@ -3,6 +3,12 @@
 Selection: ``auto`` is tpu when torch_tpu is installed and ``torch.accelerator`` reports a TPU, else
 cuda when CUDA is available, else cpu.  A named kind that is absent fails with the reason.
 Every memory reading carries the name of the counter it came from.
+
+A JAX engine's cells get a ``JaxDevice``: the same interface over JAX's own device (selected by the
+same rule from the platforms JAX sees), its ``memory_stats()`` where the device keeps them (TPU,
+GPU) and the process resident set on a CPU. One framework owns an accelerator per process
+(``claim``): on a TPU, torch_tpu and JAX cannot both hold the chip, so the second one to ask is
+refused with the reason and the way out (a process per cell: ``hydra/launcher=isolated``).
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ import contextlib
 import importlib.util
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +28,26 @@ from decodebench.evidence import MemoryReading
 
 class DeviceUnavailable(RuntimeError):
     """The requested device kind does not exist on this machine."""
+
+
+class DeviceHeld(RuntimeError):
+    """Another framework in this process already holds the accelerator (the cell is ``skipped``)."""
+
+
+ACCELERATOR_OWNERS: dict[str, str] = {}  # device kind -> the framework that first took it in this process
+
+
+def claim(kind: str, framework: str, owners: dict[str, str] = ACCELERATOR_OWNERS) -> None:
+    """Records that ``framework`` uses the ``kind`` accelerator in this process; refuses a second framework
+    (a CPU is shared freely)."""
+    if kind == "cpu":
+        return
+    owner = owners.setdefault(kind, framework)
+    if owner != framework:
+        raise DeviceHeld(
+            f"{owner} already holds the {kind} in this process and {framework} cannot share it; run each cell "
+            "in a process of its own: python run.py -m hydra/launcher=isolated ..."
+        )
 
 
 def tpu_present() -> bool:
@@ -109,6 +136,56 @@ class Device:
         return {"rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")}
 
 
+@dataclass(frozen=True)
+class JaxDevice(Device):
+    """A JAX device behind the same interface. ``torch_device`` is the host CPU: torch work in a JAX
+    cell (the parity reference) stays off the accelerator JAX holds."""
+
+    jax_device: Any = field(default=None, compare=False)
+
+    def sync(self) -> None:
+        """Waits for JAX's queued effects and a value computed after all earlier work on the device."""
+        import jax
+
+        jax.effects_barrier()
+        jax.device_put(0, self.jax_device).block_until_ready()
+
+    def reset_peak(self) -> None:
+        if self.kind == "cpu":
+            _reset_rss_peak()  # a JAX device's own peak cannot be reset: it counts from process start
+
+    def stats(self) -> dict[str, int] | None:
+        return self.jax_device.memory_stats() if self.kind != "cpu" else None
+
+    def memory_now(self) -> MemoryReading:
+        stats = self.stats()
+        if stats and "bytes_in_use" in stats:
+            return MemoryReading(stats["bytes_in_use"], f"jax {self.kind} memory_stats()['bytes_in_use']")
+        return MemoryReading(_status_kib("VmRSS") * 1024, "/proc/self/status VmRSS (process resident set)")
+
+    def peak_memory(self) -> dict[str, MemoryReading]:
+        stats = self.stats()
+        if stats and "peak_bytes_in_use" in stats:
+            counter = f"jax {self.kind} memory_stats()['peak_bytes_in_use'] (since process start)"
+            return {"allocated": MemoryReading(stats["peak_bytes_in_use"], counter)}
+        return {"rss": MemoryReading(_status_kib("VmHWM") * 1024, "/proc/self/status VmHWM (peak resident set)")}
+
+
+JAX_PLATFORMS = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}  # JAX platform -> decodebench kind
+
+
+def resolve_jax_device(requested: str) -> JaxDevice:
+    """The JAX device for ``requested`` (the same rule as ``select_kind``, over what JAX sees), claimed
+    for JAX in this process."""
+    import jax
+
+    kinds = {JAX_PLATFORMS.get(d.platform, d.platform): d for d in jax.devices()}
+    kind = select_kind(requested, has_tpu="tpu" in kinds, has_cuda="cuda" in kinds)
+    device = kinds.get(kind) or jax.devices("cpu")[0]
+    claim(kind, "jax")
+    return JaxDevice(kind, torch.device("cpu"), str(device.device_kind), device)
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -122,8 +199,12 @@ def _reset_rss_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def resolve_device(requested: str) -> Device:
+def resolve_device(requested: str, framework: str = "torch") -> Device:
+    """The device a cell runs on, for the framework its engine uses (``torch`` or ``jax``)."""
+    if framework == "jax":
+        return resolve_jax_device(requested)
     kind = select_kind(requested, has_tpu=requested in ("auto", "tpu") and tpu_present(), has_cuda=cuda_present())
+    claim(kind, "torch")
     if kind == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
         return Device(kind, dev, torch.cuda.get_device_name(dev))
@@ -148,21 +229,40 @@ def cpu_model() -> str:
 def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 5) -> dict[str, object]:
     """Streaming-copy bandwidth in GB/s (bytes read + bytes written per second), best of ``repeats``.
 
-    Timer boundaries: ``device.sync()`` before and after each copy.
+    Timer boundaries: ``device.sync()`` before and after each copy. A JAX accelerator copies with a
+    jitted ``x + 1`` over its own memory (one read, one write), never through the host.
     """
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
-    dst = torch.empty_like(src)
+    if isinstance(device, JaxDevice) and device.kind != "cpu":
+        import jax
+        import jax.numpy as jnp
+
+        src = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device.jax_device)
+        step = jax.jit(lambda x: x + 1)
+        step(src).block_until_ready()
+
+        def copy() -> None:
+            step(src).block_until_ready()
+
+        method = f"jax jit x + 1 over {nbytes} B float32"
+    else:
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
+        dst = torch.empty_like(src)
+
+        def copy() -> None:
+            dst.copy_(src)
+
+        method = f"torch copy_ of {nbytes} B float32"
     samples = []
     for _ in range(repeats):
         device.sync()
         start = time.perf_counter()
-        dst.copy_(src)
+        copy()
         device.sync()
         samples.append(2 * nbytes / (time.perf_counter() - start) / 1e9)
     return {
         "value": max(samples),
         "unit": "GB/s",
-        "method": f"torch copy_ of {nbytes} B float32, read+write bytes / seconds, best of {repeats}",
+        "method": f"{method}, read+write bytes / seconds, best of {repeats}",
         "samples": samples,
     }
 

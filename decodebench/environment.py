@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from decodebench.device import Device, cpu_model
+from decodebench.device import ACCELERATOR_OWNERS, Device, cpu_model
 
 PACKAGES = (
     "torch",
@@ -61,6 +62,7 @@ def capture(device: Device | None) -> dict[str, Any]:
         "device_kind": device.kind if device else None,
         "device_name": device.name if device else None,
         "cpu_model": cpu_model(),
+        "process": {"pid": os.getpid(), "accelerator_owners": dict(ACCELERATOR_OWNERS)},
         "git_sha": _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
         "utc_time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -11,13 +11,23 @@ from hydra.core.config_store import ConfigStore
 from engines.base import Engine
 from engines.compiled import CompiledEngine
 from engines.generate import FuseEngine, GenerateEngine, StaticEngine
+from engines.jax_engine import JaxEngine
 from engines.ring import RingEngine
 from engines.rust_engine import RustEngine
 from engines.table4 import Table4Engine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
-    for cls in (GenerateEngine, FuseEngine, StaticEngine, CompiledEngine, Table4Engine, RingEngine, RustEngine)
+    for cls in (
+        GenerateEngine,
+        FuseEngine,
+        StaticEngine,
+        CompiledEngine,
+        Table4Engine,
+        RingEngine,
+        RustEngine,
+        JaxEngine,
+    )
 }
 
 

@@ -60,6 +60,7 @@ class Engine(ABC):
     name: ClassVar[str]
     config: ClassVar[type[EngineConfig]]  # the typed config Hydra composes for ``engine=<name>``
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
+    framework: ClassVar[str] = "torch"  # which framework's device the cell resolves (decodebench.device)
     tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s

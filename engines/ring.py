@@ -63,10 +63,26 @@ def kv_sources(config: Any) -> list[int]:
     return [layer["kv_source"] for layer in layers_of_config(config)]
 
 
+def cache_layout(config: Any, context: int, piece: int) -> dict[str, Any]:
+    """The ring cache's geometry for evidence: cache-owning layers of each type and their slots."""
+    owners = [i for i, src in enumerate(kv_sources(config)) if src == i]
+    full = [i for i in owners if config.layer_types[i] == "full_attention"]
+    return {
+        "full_layers": len(full),
+        "full_slots": full_slots(context, piece),
+        "sliding_layers": len(owners) - len(full),
+        "ring_slots": ring_slots(config.sliding_window, piece),
+        "shared_layers": config.num_hidden_layers - len(owners),
+        "sliding_window": config.sliding_window,
+        "piece": piece,
+    }
+
+
 class RingCache:
     """K/V buffers for the cache-owning layers and the position records that mask them."""
 
     def __init__(self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
         self.window = config.sliding_window
         self.piece = piece
         self.ring_slots = ring_slots(self.window, piece)
@@ -96,17 +112,7 @@ class RingCache:
         return sum(t.nbytes for t in (*self.k.values(), *self.v.values()))
 
     def layout(self) -> dict[str, Any]:
-        full = [i for i in self.k if not self.sliding[i]]
-        sliding = [i for i in self.k if self.sliding[i]]
-        return {
-            "full_layers": len(full),
-            "full_slots": self.full_slots,
-            "sliding_layers": len(sliding),
-            "ring_slots": self.ring_slots,
-            "shared_layers": sum(1 for i, s in self.source.items() if s != i),
-            "sliding_window": self.window,
-            "piece": self.piece,
-        }
+        return cache_layout(self.config, self.full_slots, self.piece)
 
     def reset(self) -> None:
         self.ring_pos.fill_(-1)

@@ -52,7 +52,8 @@ def compare(
     first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
     upto = n if first_diff is None else first_diff + 1
     kl = kl_per_position(ref_logits[:upto], eng_logits[:upto])
-    verdict = first_diff is None and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
+    tokens_ok = first_diff is None or not bounds.all_tokens
+    verdict = tokens_ok and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
     return {
         "tokens_equal": n if first_diff is None else first_diff,
         "new_tokens": n,

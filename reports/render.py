@@ -102,6 +102,8 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         synthetic=bool(cells.synthetic.any()),
         warnings=ev.warnings,
         costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
+        jax_gap={e.row[1]: e for e in measured if e.key.startswith("jax-vs-fastest-pytorch/")},
+        jax_published=arithmetic.JAX_GAP_PUBLISHED,
         published_rates=published_rates(pub),
         published_derived=recomputed,
         articles=pub.articles,

@@ -1,0 +1,252 @@
+"""``jax``: the articles' peer, Gemma 4 in ``jax.numpy`` under ``jax.jit`` on JAX's own device.
+
+Weights come from the one loader's state dict (``decodebench.checkpoint.text_state_dict``: the text
+prefix, the compressed-tensors unpacking and dequantization are shared, never written twice) and
+become ``jax.Array``s on the JAX device once. ``engine.weights=dense`` dequantizes at load as the
+PyTorch engines do; ``engine.weights=int4`` keeps every packed linear as the checkpoint's int32 words
+and group scales, unpacked inside the jitted programs (``engines.jax_model.Int4``).
+
+The model (``engines/jax_model.py``) runs over the ring cache's geometry (``engines/ring.py``),
+compiled to exactly two programs: one prompt piece of ``engine.piece`` tokens (the last one padded)
+and one decode step; the cache buffers are donated to each call. ``engine.step_matmul=auto`` times
+a decode-size product both ways on the widest layer's linears at load and keeps the faster
+(``matmul_probe`` in the evidence).
+
+Phase timers as the stepping engines (``engines/stepping.py``): ``read_s`` from the call's start to
+the first new token ready on the device (``block_until_ready``), ``decode_s`` from there to the last
+of the N tokens on the host; tokens are read back every ``read_every`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from decodebench.checkpoint import text_state_dict
+from decodebench.config import JaxEngineConfig, StepMatmul, Weights
+from decodebench.device import Device
+from engines.base import Engine, Generation
+from engines.ring import cache_layout
+
+PROBE_REPEATS = 5  # timed calls per matmul way at load (after one warm-up), median kept
+
+
+def host_to_jax(tensor: torch.Tensor, device: Any) -> Any:
+    """A torch CPU tensor as a ``jax.Array`` on ``device`` (bfloat16 through its bits: numpy has none)."""
+    import jax
+    import jax.numpy as jnp
+
+    bits = tensor.dtype == torch.bfloat16
+    array = tensor.view(torch.int16).numpy().view(jnp.bfloat16) if bits else tensor.numpy()
+    return jax.device_put(array, device)
+
+
+class JaxEngine(Engine):
+    name = "jax"
+    config = JaxEngineConfig
+    framework = "jax"
+    streams = True
+    splits_phases = True
+
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        if importlib.util.find_spec("jax") is None:
+            return "jax is not installed: `make setup` installs the jax extra (pip install '.[jax]')"
+        return super().unsupported_reason(device, run_cfg)
+
+    def load(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from engines import jax_model
+
+        assert self.checkpoint is not None
+        config, cfg = self.checkpoint.config, self.ctx.engine_cfg
+        device = self.ctx.device.jax_device
+        dtype = jnp.dtype(str(self.ctx.dtype).removeprefix("torch."))
+        self.int4 = cfg.weights == Weights.int4
+        state, packed = text_state_dict(self.checkpoint, self.ctx.dtype, keep_linears=self.int4)
+        params: dict[str, Any] = {}
+        for name in list(state):  # one tensor at a time: the torch copy is freed as the JAX one lands
+            params[name.removeprefix("model.")] = host_to_jax(state.pop(name), device)
+        for module, table in packed.items():
+            words, scale = host_to_jax(table.packed, device), host_to_jax(table.scale, device)
+            params[module.removeprefix("model.") + ".weight"] = jax_model.Int4(words, scale)
+        params.setdefault("lm_head.weight", params["embed_tokens.weight"])  # tied: the same array
+        hidden, ple = config.hidden_size, config.hidden_size_per_layer_input
+        # Transformers keeps these scales as float32 buffers cast to the weights' dtype at use
+        params["embed_scale"] = jax.device_put(jnp.asarray(np.float32(hidden**0.5), dtype), device)
+        params["ple_embed_scale"] = jax.device_put(jnp.asarray(np.float32(ple**0.5), dtype), device)
+        self.params = params
+        self.rope = jax_model.rope_tables(config)
+        plan = jax_model.plan_of(config, self.ctx.context, cfg.piece, dtype, "dot")
+        self.matmul_probe = None
+        matmul = str(cfg.step_matmul)
+        if cfg.step_matmul == StepMatmul.auto:
+            self.matmul_probe = probe_matmul(params, plan)
+            matmul = self.matmul_probe["chosen"]
+        self.plan = dataclasses.replace(plan, matmul=matmul)
+        self.cache = jax.device_put(jax_model.new_cache(self.plan), device)
+        self.piece_fn = jax.jit(partial(read_piece, self.plan, self.rope), donate_argnums=(1,))
+        self.step_fn = jax.jit(partial(decode_step, self.plan, self.rope), donate_argnums=(1,))
+
+    def reset(self) -> None:
+        """Empties the ring: every slot's position record back to -1 (stale K/V are masked out)."""
+        import jax.numpy as jnp
+
+        self.cache = {
+            **self.cache,
+            "ring_pos": jnp.full_like(self.cache["ring_pos"], -1),
+            "full_pos": jnp.full_like(self.cache["full_pos"], -1),
+        }
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[Any, Any]:
+        """Reads the prompt in pieces; the first new token [1] and its logits [V], on the device."""
+        import jax
+
+        piece, device = self.plan.piece, self.ctx.device.jax_device
+        pieces = math.ceil(len(prompt_ids) / piece)
+        if pieces * piece > self.plan.full_slots:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.plan.full_slots} slots")
+        padded = np.zeros(pieces * piece, np.int32)
+        padded[: len(prompt_ids)] = prompt_ids
+        for k in range(pieces):
+            count = min(piece, len(prompt_ids) - k * piece)
+            inputs = (padded[k * piece : (k + 1) * piece], np.int32(k * piece), np.int32(count))
+            token, logits, self.cache = self.piece_fn(self.params, self.cache, *jax.device_put(inputs, device))
+        return token, logits
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+        import jax
+
+        start = time.perf_counter()
+        self.reset()
+        token, logits = self.prefill(prompt_ids)
+        token.block_until_ready()
+        first = time.perf_counter()
+        position = jax.device_put(np.asarray([len(prompt_ids)], np.int32), self.ctx.device.jax_device)
+        pending, tokens, kept = [token], [], [logits] if return_logits else []
+        read_every = self.ctx.read_every or max_new_tokens
+        for _ in range(max_new_tokens - 1):
+            token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
+            pending.append(token)
+            if return_logits:
+                kept.append(logits)
+            if len(pending) >= read_every:  # the read-back: device -> host, waits for the tokens
+                tokens += [int(t[0]) for t in jax.device_get(pending)]
+                pending = []
+        if pending:
+            tokens += [int(t[0]) for t in jax.device_get(pending)]
+        end = time.perf_counter()
+        stacked = torch.from_numpy(np.stack(jax.device_get(kept)).astype(np.float32)) if return_logits else None
+        return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
+
+    def weight_bytes(self) -> int | None:
+        """Bytes of every parameter array as held on the device (a tied table once), from shapes."""
+        import jax
+
+        if not hasattr(self, "params"):
+            return None
+        arrays = {id(a): a for a in jax.tree_util.tree_leaves(self.params)}
+        return sum(a.nbytes for a in arrays.values())
+
+    def cache_bytes(self) -> int | None:
+        import jax
+
+        if not hasattr(self, "cache"):
+            return None
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.cache["kv"]))
+
+    def programs(self) -> dict[str, int]:
+        """Distinct compiled programs of each jitted function, from JAX's own caches."""
+        return {"piece": self.piece_fn._cache_size(), "step": self.step_fn._cache_size()}
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "plan"):
+            return {}
+        programs = self.programs()
+        assert self.checkpoint is not None
+        return {
+            "weights": str(self.ctx.engine_cfg.weights),
+            "step_matmul": self.plan.matmul,
+            "matmul_probe": self.matmul_probe,
+            "programs": programs,
+            "graphs": sum(programs.values()),
+            "layout": cache_layout(self.checkpoint.config, self.ctx.context, self.plan.piece),
+            "cache_bytes": self.cache_bytes(),
+            "read_every": self.ctx.read_every,
+            "graph_breaks": 0,  # jax.jit traces the whole function or fails: it cannot break a graph
+            "jax_device": str(self.ctx.device.jax_device),
+        }
+
+
+def read_piece(plan: Any, rope: Any, params: Any, cache: Any, ids: Any, start: Any, count: Any) -> tuple:
+    """One piece: ``ids`` [piece] from position ``start`` with ``count`` real tokens -> greedy token
+    [1], its logits [V] and the cache."""
+    import jax.numpy as jnp
+
+    from engines.jax_model import forward
+
+    offsets = jnp.arange(plan.piece, dtype=jnp.int32)
+    logits, cache = forward(plan, rope, params, cache, ids, start + offsets, offsets < count, count - 1)
+    return jnp.argmax(logits, keepdims=True).astype(jnp.int32), logits, cache
+
+
+def decode_step(plan: Any, rope: Any, params: Any, cache: Any, token: Any, position: Any) -> tuple:
+    """One token [1] at ``position`` [1] -> the next token [1], its logits [V], the cache, position + 1."""
+    import jax.numpy as jnp
+
+    from engines.jax_model import forward
+
+    logits, cache = forward(plan, rope, params, cache, token, position, jnp.ones(1, bool), jnp.int32(0))
+    return jnp.argmax(logits, keepdims=True).astype(jnp.int32), logits, cache, position + 1
+
+
+def probe_matmul(params: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """Times one decode-size product (a 1-token input) through every linear of the widest layer, each
+    way (median of ``PROBE_REPEATS`` after a warm-up); the faster way is ``chosen``."""
+    import jax
+    import jax.numpy as jnp
+
+    from engines.jax_model import Int4, linear
+
+    def layer_bytes(i: int) -> int:
+        leaves = [v for k, v in params.items() if k.startswith(f"layers.{i}.")]
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves(leaves))
+
+    widest = max(range(len(plan.layers)), key=layer_bytes)
+    weights = {
+        k: v
+        for k, v in params.items()
+        if k.startswith(f"layers.{widest}.") and (isinstance(v, Int4) or (k.endswith(".weight") and v.ndim == 2))
+    }
+    inputs = {
+        k: jnp.ones((1, (w.words.shape[1] * 8 if isinstance(w, Int4) else w.shape[1])), plan.dtype)
+        for k, w in weights.items()
+    }
+    times = {}
+    for way in ("dot", "reduce"):
+        way_plan = dataclasses.replace(plan, matmul=way)
+        products = jax.jit(lambda ws, xs, p=way_plan: {k: linear(xs[k], w, p) for k, w in ws.items()})
+        jax.block_until_ready(products(weights, inputs))
+        samples = []
+        for _ in range(PROBE_REPEATS):
+            begin = time.perf_counter()
+            jax.block_until_ready(products(weights, inputs))
+            samples.append((time.perf_counter() - begin) * 1e3)
+        times[way] = float(np.median(samples))
+    return {
+        "layer": widest,
+        "linears": len(weights),
+        "dot_ms": times["dot"],
+        "reduce_ms": times["reduce"],
+        "chosen": min(times, key=times.get),
+        "method": f"jit of a 1-token product through each linear of layer {widest}, median of {PROBE_REPEATS}",
+    }
