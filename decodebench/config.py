@@ -76,12 +76,13 @@ class Weights(StrEnum):
 
 
 class StepMatmul(StrEnum):
-    """How the JAX engine's decode step multiplies a token by a weight: ``dot`` (XLA's dot), ``reduce``
-    (a fused float32 multiply-and-sum), or ``auto`` (both timed at load on the model's largest linear;
-    the faster runs, and both times are evidence)."""
+    """How the JAX engine's decode step multiplies a token by a weight: ``dot`` (XLA's dot in the run's
+    dtype), ``upcast`` (XLA's dot in float32), ``reduce`` (a float32 multiply-and-sum), ``auto``:
+    ``reduce`` on a CPU (XLA:CPU's bf16 dot takes a slow path), ``dot`` elsewhere."""
 
     auto = "auto"
     dot = "dot"
+    upcast = "upcast"
     reduce = "reduce"
 
 

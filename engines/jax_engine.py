@@ -8,9 +8,9 @@ and group scales, unpacked inside the jitted programs (``engines.jax_model.Int4`
 
 The model (``engines/jax_model.py``) runs over the ring cache's geometry (``engines/ring.py``),
 compiled to exactly two programs: one prompt piece of ``engine.piece`` tokens (the last one padded)
-and one decode step; the cache buffers are donated to each call. ``engine.step_matmul=auto`` times
-a decode-size product both ways on the widest layer's linears at load and keeps the faster
-(``matmul_probe`` in the evidence).
+and one decode step; the cache buffers are donated to each call. ``engine.step_matmul`` says how the
+step multiplies a token by a weight (``engines.jax_model.linear``); ``auto`` is ``reduce`` on a CPU,
+where XLA's bf16 dot takes a slow path, and ``dot`` on a TPU or GPU.
 
 Phase timers as the stepping engines (``engines/stepping.py``): ``read_s`` from the call's start to
 the first new token ready on the device (``block_until_ready``), ``decode_s`` from there to the last
@@ -19,7 +19,6 @@ of the N tokens on the host; tokens are read back every ``read_every`` tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import time
@@ -34,8 +33,6 @@ from decodebench.config import JaxEngineConfig, StepMatmul, Weights
 from decodebench.device import Device
 from engines.base import Engine, Generation
 from engines.ring import cache_layout
-
-PROBE_REPEATS = 5  # timed calls per matmul way at load (after one warm-up), median kept
 
 
 def host_to_jax(tensor: torch.Tensor, device: Any) -> Any:
@@ -86,13 +83,10 @@ class JaxEngine(Engine):
         params["ple_embed_scale"] = jax.device_put(jnp.asarray(np.float32(ple**0.5), dtype), device)
         self.params = params
         self.rope = jax_model.rope_tables(config)
-        plan = jax_model.plan_of(config, self.ctx.context, cfg.piece, dtype, "dot")
-        self.matmul_probe = None
         matmul = str(cfg.step_matmul)
         if cfg.step_matmul == StepMatmul.auto:
-            self.matmul_probe = probe_matmul(params, plan)
-            matmul = self.matmul_probe["chosen"]
-        self.plan = dataclasses.replace(plan, matmul=matmul)
+            matmul = "reduce" if self.ctx.device.kind == "cpu" else "dot"
+        self.plan = jax_model.plan_of(config, self.ctx.context, cfg.piece, dtype, matmul)
         self.cache = jax.device_put(jax_model.new_cache(self.plan), device)
         self.piece_fn = jax.jit(partial(read_piece, self.plan, self.rope), donate_argnums=(1,))
         self.step_fn = jax.jit(partial(decode_step, self.plan, self.rope), donate_argnums=(1,))
@@ -176,7 +170,6 @@ class JaxEngine(Engine):
         return {
             "weights": str(self.ctx.engine_cfg.weights),
             "step_matmul": self.plan.matmul,
-            "matmul_probe": self.matmul_probe,
             "programs": programs,
             "graphs": sum(programs.values()),
             "layout": cache_layout(self.checkpoint.config, self.ctx.context, self.plan.piece),
@@ -207,46 +200,3 @@ def decode_step(plan: Any, rope: Any, params: Any, cache: Any, token: Any, posit
 
     logits, cache = forward(plan, rope, params, cache, token, position, jnp.ones(1, bool), jnp.int32(0))
     return jnp.argmax(logits, keepdims=True).astype(jnp.int32), logits, cache, position + 1
-
-
-def probe_matmul(params: dict[str, Any], plan: Any) -> dict[str, Any]:
-    """Times one decode-size product (a 1-token input) through every linear of the widest layer, each
-    way (median of ``PROBE_REPEATS`` after a warm-up); the faster way is ``chosen``."""
-    import jax
-    import jax.numpy as jnp
-
-    from engines.jax_model import Int4, linear
-
-    def layer_bytes(i: int) -> int:
-        leaves = [v for k, v in params.items() if k.startswith(f"layers.{i}.")]
-        return sum(a.nbytes for a in jax.tree_util.tree_leaves(leaves))
-
-    widest = max(range(len(plan.layers)), key=layer_bytes)
-    weights = {
-        k: v
-        for k, v in params.items()
-        if k.startswith(f"layers.{widest}.") and (isinstance(v, Int4) or (k.endswith(".weight") and v.ndim == 2))
-    }
-    inputs = {
-        k: jnp.ones((1, (w.words.shape[1] * 8 if isinstance(w, Int4) else w.shape[1])), plan.dtype)
-        for k, w in weights.items()
-    }
-    times = {}
-    for way in ("dot", "reduce"):
-        way_plan = dataclasses.replace(plan, matmul=way)
-        products = jax.jit(lambda ws, xs, p=way_plan: {k: linear(xs[k], w, p) for k, w in ws.items()})
-        jax.block_until_ready(products(weights, inputs))
-        samples = []
-        for _ in range(PROBE_REPEATS):
-            begin = time.perf_counter()
-            jax.block_until_ready(products(weights, inputs))
-            samples.append((time.perf_counter() - begin) * 1e3)
-        times[way] = float(np.median(samples))
-    return {
-        "layer": widest,
-        "linears": len(weights),
-        "dot_ms": times["dot"],
-        "reduce_ms": times["reduce"],
-        "chosen": min(times, key=times.get),
-        "method": f"jit of a 1-token product through each linear of layer {widest}, median of {PROBE_REPEATS}",
-    }

@@ -13,9 +13,10 @@ sharing, head sizes, double-wide MLPs) and is static under ``jax.jit``.
 * From the first KV-shared layer on, a piece keeps only its last real row (those layers write no
   cache; Transformers slices the same way with ``logits_to_keep``).
 * A linear is dense ``[out, in]`` or 4-bit (``Int4``: the checkpoint's int32 words and group scales,
-  unpacked inside the jitted program). ``matmul="dot"`` multiplies with ``dot_general``;
-  ``matmul="reduce"`` as a float32 multiply-and-sum over the input dimension, which XLA:CPU runs as
-  one fused loop where its bf16 dot takes a slow path (shared/notes/jax-on-this-machine.md).
+  unpacked inside the jitted program). A decode step multiplies with ``dot_general`` in the run's
+  dtype (``matmul="dot"``) or in float32 (``"upcast"``), or as a float32 multiply-and-sum over the
+  input dimension (``"reduce"``), which XLA:CPU runs as a fused loop where its bf16 dot takes a slow
+  path (shared/notes/jax-on-this-machine.md); a prompt piece always uses ``dot``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Plan:
     eps: float
     softcap: float | None
     dtype: Any
-    matmul: str  # "dot" or "reduce": how a decode step multiplies (a piece always uses dot)
+    matmul: str  # "dot", "upcast" or "reduce": how a decode step multiplies (a piece always uses dot)
 
 
 def plan_of(config: Any, context: int, piece: int, dtype: Any, matmul: str) -> Plan:
@@ -135,9 +136,10 @@ def linear(x: jax.Array, w: jax.Array | Int4, plan: Plan) -> jax.Array:
     if plan.matmul == "reduce" and x.shape[0] == 1:
         product = dense.astype(jnp.float32) * x.astype(jnp.float32)  # [out, in] * [1, in]
         return product.sum(-1)[None].astype(plan.dtype)
-    return jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
-        plan.dtype
-    )
+    if plan.matmul == "upcast" and x.shape[0] == 1:
+        x, dense = x.astype(jnp.float32), dense.astype(jnp.float32)
+    product = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return product.astype(plan.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
