@@ -103,7 +103,11 @@ def modes_rows() -> list[Row]:
     rows = [Row("work a step (GFLOP)", ("nb01_work_gflop",), lambda r: number(r.value("modes_work_gflop"), 3))]
     for mode in MODES:
         rows += [
-            Row(f"{mode}: first call s", (f"nb01_{mode}_first_call_s",), mode_value(mode, "first_call_s", number)),
+            Row(
+                f"{mode}: first call s",
+                (f"nb01_{mode}_first_call_s",),
+                mode_value(mode, "first_call_s", lambda v: number(v, 3)),
+            ),
             Row(f"{mode}: step ms (median)", (f"nb01_{mode}_step_ms",), mode_value(mode, "step_ms", number)),
             Row(f"{mode}: TFLOP/s", (f"nb01_{mode}_tflop_s",), mode_value(mode, "tflop_s", lambda v: f"{v:.3g}")),
             Row(f"{mode}: checksum", (f"nb01_{mode}_checksum",), mode_value(mode, "checksum", lambda v: number(v, 1))),
@@ -125,11 +129,11 @@ def modes_rows() -> list[Row]:
 
 
 def probe(name: str, field: str) -> Callable[[Record], str]:
-    """A field of the compile-count probe's raw or bucketed pass."""
+    """A list of the compile-count probe's raw or bucketed pass: its lengths, or ms per length."""
 
     def get(r: Record) -> str:
-        value = r.outputs["compile_count"][name][field]
-        return listed(value) if field.endswith("_ms") else ", ".join(map(str, value)) if field == "lengths" else value
+        values = r.outputs["compile_count"][name][field]
+        return listed(values) if field.endswith("_ms") else ", ".join(map(str, values))
 
     return get
 

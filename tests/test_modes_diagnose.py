@@ -122,6 +122,12 @@ def test_wrappers_on_cannot_keep_weights_4bit(cell_cfg, tiny):
     assert record["status"] == "failed" and "remove_wrappers=false" in record["reason"]
 
 
+@pytest.mark.parametrize("bad", ["experiment.lengths=[]", "experiment.bucket=0", "experiment.gflop=-1"])
+def test_bad_modes_sizes_fail_with_the_value(cell_cfg, bad):
+    record = run_cell(cell_cfg(*SMALL_MODES, bad))
+    assert record["status"] == "failed" and bad.split("=")[0] in record["reason"]
+
+
 def test_report_sets_each_table_beside_the_article(cells, tmp_path):
     out = render.build(Path(cells["dir"]), PUBLISHED, tmp_path / "REPORT.md", tmp_path / "arithmetic.txt")
     report = out.report.read_text()
