@@ -25,9 +25,10 @@ from decodebench.environment import capture
 from engines import engine_class
 from engines import register_configs as register_engines
 from engines.base import EngineContext, EngineLimit
-from experiments import EXPERIMENTS
+from experiments import EXPERIMENTS, Experiment
 from experiments import register_configs as register_experiments
 from experiments.cell import Cell, MethodError
+from experiments.common import Result
 
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
 
@@ -40,8 +41,10 @@ def register_configs() -> None:
     register_experiments(cs)
 
 
-def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
-    return Path(cfg.evidence_dir) / str(cfg.sweep) / f"{evidence.cell_name(config)}.json"
+def evidence_path(cfg: DictConfig, config: dict[str, Any], experiment: Experiment | None = None) -> Path:
+    """``evidence_dir/<sweep>/<cell>.json``; the cell is named by the axes its experiment uses."""
+    uses = {"engine": experiment.engine, "model": experiment.model} if experiment else {}
+    return Path(cfg.evidence_dir) / str(cfg.sweep) / f"{evidence.cell_name(config, **uses)}.json"
 
 
 def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
@@ -52,30 +55,35 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     except ConfigError as exc:  # no safe folder to write this cell's evidence into
         print(f"[failed] nothing written: {exc}", file=sys.stderr, flush=True)
         return {"status": "failed", "reason": str(exc)}
-    path = evidence_path(cfg, config)
+    experiment = EXPERIMENTS.get(cfg.experiment.name)
+    path = evidence_path(cfg, config, experiment)
     if cfg.resume and evidence.finished_ok(path):
         print(f"[resumed] {path}: already ok", flush=True)
         return None
+    reads_model = experiment is None or experiment.model
     record = evidence.Record(
         cell=path.stem,
         sweep=str(cfg.sweep),
         config=config,
         config_hash=evidence.config_hash(config),
         environment=capture(None),
-        model={"synthetic": cfg.model.source == "synthetic", "kind": str(cfg.model.source)},
+        model={"synthetic": cfg.model.source == "synthetic", "kind": str(cfg.model.source)}
+        if reads_model
+        else {"synthetic": False, "kind": "none"},
     )
     try:
         validate(cfg)
-        engine_cls = engine_class(cfg.engine.name)
-        experiment = EXPERIMENTS.get(cfg.experiment.name)
         if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
-        device = resolve_device(cfg.device.kind, engine_cls.framework)
+        engine_cls = engine_class(cfg.engine.name) if experiment.engine else None
+        device = resolve_device(cfg.device.kind, engine_cls.framework if engine_cls else "torch")
         record.environment = capture(device)
         record.hardware = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
-        reason = engine_cls.unsupported_reason(device, cfg)
+        reason = engine_cls.unsupported_reason(device, cfg) if engine_cls else None
         if reason:
             record.status, record.reason = "skipped", reason
+        elif engine_cls is None:
+            keep(record, experiment.run(Cell(cfg, device, None)))
         else:
             engine = engine_cls(
                 EngineContext(
@@ -95,9 +103,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
                     record.model = {**record.model, **engine.checkpoint.provenance}
                 record.engine = engine.describe()
                 release(engine)
-            record.status = "ok"
-            record.measurements, record.samples = result.measurements, result.samples
-            record.outputs, record.timers = result.outputs, result.timers
+            keep(record, result)
     except (EngineLimit, DeviceHeld) as exc:  # cannot run here: skipped, with the reason
         record.status, record.reason = "skipped", str(exc)
     except EXPECTED as exc:
@@ -111,6 +117,14 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     stream = sys.stdout if record.status != "failed" else sys.stderr
     print(f"[{record.status}] {path}: {_headline(record)}", file=stream, flush=True)
     return data
+
+
+def keep(record: evidence.Record, result: Result) -> None:
+    """An experiment's result into its ok record (with the provenance of a checkpoint it read itself)."""
+    record.status = "ok"
+    record.model = {**record.model, **result.model}
+    record.measurements, record.samples = result.measurements, result.samples
+    record.outputs, record.timers = result.outputs, result.timers
 
 
 def release(engine: Any) -> None:
@@ -132,6 +146,13 @@ def _headline(record: evidence.Record) -> str:
         ran = [o for o in record.outputs["recall"] if o["status"] == "ok"]
         rates = ", ".join(f"{o['prompt_tokens']} tok read at {o['read_tok_s']:.0f} tok/s" for o in ran)
         return f"recall: {len(ran)} of {len(record.outputs['recall'])} prompts ran ({rates})"
+    if "claims" in record.outputs:
+        held = sum(c["holds"] for c in record.outputs["claims"])
+        return f"diagnose: {held} of {len(record.outputs['claims'])} claims hold{synthetic}"
+    if "modes" in record.outputs:
+        ran = [m["mode"] for m in record.outputs["modes"] if m["status"] == "ok"]
+        steps = ", ".join(f"{mode} {record.value(f'modes_{mode}_step_ms'):.2f} ms" for mode in ran)
+        return f"modes: step {steps}; {record.outputs['compile_count']['summary']}"
     return f"parity {record.outputs['verdict']}" if "verdict" in record.outputs else "done"
 
 

@@ -29,6 +29,7 @@ from decodebench.synthetic import ensure_synthetic
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 INT4_TABLES = ("embed_tokens_per_layer",)  # tables a 4-bit-table engine keeps packed
+KEY_MAPPING = {r"^model\.language_model\.": "model."}  # the repack's multimodal names -> the text model's
 
 
 class CheckpointError(RuntimeError):
@@ -185,6 +186,18 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
+def stored_names(path: Path) -> list[str]:
+    """Every tensor name of every shard, as stored (read from the headers, no tensor is loaded)."""
+    names: list[str] = []
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names += list(f.keys())
+        except Exception as exc:
+            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
+    return names
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every shard, with names as stored."""
     tensors: dict[str, torch.Tensor] = {}
@@ -315,25 +328,35 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
         raise CheckpointError(f"{ckpt.path}: tokenizer could not be loaded: {exc}") from exc
 
 
-def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
-    """Transformers' own loading path (its compressed-tensors integration), the parity reference.
+def load_transformers(
+    ckpt: Checkpoint, dtype: torch.dtype, device_map: str | None, *, mapped: bool = True
+) -> tuple[Gemma4ForCausalLM, dict[str, Any]]:
+    """Transformers' own loading path (its compressed-tensors integration), the way the Colab article
+    loads the repack; returns the model and Transformers' loading info (missing and unexpected keys).
 
-    The text config gets the checkpoint's ``quantization_config`` and the multimodal names are mapped,
-    as shared/notes section 4 found necessary; weights are dequantized by Transformers, not by us.
+    The text config gets the checkpoint's ``quantization_config`` with its ``ignore`` list in the text
+    model's names (shared/notes section 4). ``mapped``: the stored multimodal names are renamed with
+    ``KEY_MAPPING``; without it none of them match. ``device_map=None`` leaves the model on the host.
+    Weights are dequantized by Transformers and compressed-tensors, not by us.
     """
     config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
     if ckpt.quantization:
         quantization = json.loads(json.dumps(ckpt.quantization))
         quantization["ignore"] = [re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]]
         config.quantization_config = quantization
-    model, info = Gemma4ForCausalLM.from_pretrained(
+    return Gemma4ForCausalLM.from_pretrained(
         str(ckpt.path),
         config=config,
-        key_mapping={r"^model\.language_model\.": "model."},
+        key_mapping=KEY_MAPPING if mapped else None,
         dtype=dtype,
-        device_map=str(device),
+        device_map=device_map,
         output_loading_info=True,
     )
+
+
+def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
+    """``load_transformers`` onto ``device`` with the key mapping; any weight left uninitialised is an error."""
+    model, info = load_transformers(ckpt, dtype, str(device))
     if info["missing_keys"]:
         raise CheckpointError(
             f"reference load of {ckpt.path} left weights uninitialised: {sorted(info['missing_keys'])[:8]}"

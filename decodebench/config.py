@@ -11,7 +11,7 @@ is loaded.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -125,8 +125,8 @@ class StaticEngineConfig(EngineConfig):
 
 
 @dataclass
-class CompiledEngineConfig(EngineConfig):
-    """One compiled decode step over a StaticCache (article 003, Steps 7-8).
+class SteppingEngineConfig(EngineConfig):
+    """What every compiled-step engine shares.
 
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
     """
@@ -137,12 +137,23 @@ class CompiledEngineConfig(EngineConfig):
 
 
 @dataclass
+class CompiledEngineConfig(SteppingEngineConfig):
+    """One compiled decode step over a StaticCache (article 003, Steps 7-8).
+
+    ``remove_wrappers=false``: the model is loaded through Transformers' own compressed-tensors path
+    and compressed-tensors' module wrappers are left on (the article's "wrappers on" row, Step 8).
+    """
+
+    remove_wrappers: bool = True
+
+
+@dataclass
 class Table4EngineConfig(CompiledEngineConfig):
     """``compiled`` with the per-layer embedding table kept 4-bit (read from the -emb4 twin)."""
 
 
 @dataclass
-class RingEngineConfig(CompiledEngineConfig):
+class RingEngineConfig(SteppingEngineConfig):
     """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs.
 
     ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
@@ -254,6 +265,42 @@ class ParityExperimentConfig(ExperimentConfig):
     all_tokens: bool = True
     wrap_piece: int = 256  # long prompt: the ring's sliding slots at this piece (window + piece) + wrap_extra
     wrap_extra: int = 64
+
+
+@dataclass
+class ModesExperimentConfig(ExperimentConfig):
+    """The device's execution modes on a stack of matrix multiplies; no model (article 003, Step 2 and its Tip).
+
+    The stack is ``layers`` products of square matrices whose side is chosen so that one step does
+    ``gflop`` GFLOP (the article's 275), divided by ``cpu_work_divisor`` on a CPU. ``steps``: timed warm
+    steps per mode (median). The compile-count probe runs a row-wise function of width ``probe_width``
+    at each of ``lengths`` rows, raw and padded up to a multiple of ``bucket``. The host-read probe runs
+    ``read_steps`` steps with one ``.item()`` after each, and without. ``backend``: as ``engine.backend``.
+    """
+
+    gflop: float = 275.0
+    layers: int = 16
+    cpu_work_divisor: int = 512
+    steps: int = 10
+    lengths: list[int] = field(default_factory=lambda: [37, 64, 100, 200])
+    bucket: int = 128
+    probe_width: int = 512
+    read_steps: int = 20
+    backend: str = "auto"
+
+
+@dataclass
+class DiagnoseExperimentConfig(ExperimentConfig):
+    """The article's claims about loading the repack through Transformers (article 003, Steps 3, 6, 7, 12).
+
+    ``backend``: what compiles the step whose first graph break is reported; TorchDynamo finds graph
+    breaks while it traces, before any backend runs, so ``eager`` finds the same break at a fraction
+    of the cost (``auto``: the device's own backend). ``cache_slots``: the StaticCache length asked
+    for in the Step 12 check (the article's 4,352).
+    """
+
+    backend: str = "eager"
+    cache_slots: int = 4352
 
 
 @dataclass
@@ -379,6 +426,27 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
     if getattr(cfg.engine, "piece", 1) < 1:
         raise ConfigError(f"engine.piece={cfg.engine.piece} must be positive (prompt tokens read per piece)")
+    if getattr(cfg.engine, "remove_wrappers", True) is False and (
+        cfg.engine.name == "table4" or cfg.engine.weights == Weights.int4
+    ):
+        raise ConfigError(
+            "engine.remove_wrappers=false loads through Transformers' compressed-tensors path, which unpacks "
+            f"every weight to the run's dtype: it cannot keep weights 4-bit (engine={cfg.engine.name}, "
+            f"engine.weights={cfg.engine.weights}); use engine=compiled engine.weights=dense"
+        )
+    validate_experiment(cfg.experiment)
+
+
+def validate_experiment(experiment: Any) -> None:
+    """Counts and sizes an experiment's config must keep positive (each named with its value)."""
+    for name in ("layers", "cpu_work_divisor", "steps", "bucket", "probe_width", "read_steps", "cache_slots"):
+        if getattr(experiment, name, 1) < 1:
+            raise ConfigError(f"experiment.{name}={getattr(experiment, name)} must be at least 1")
+    if getattr(experiment, "gflop", 1) <= 0:
+        raise ConfigError(f"experiment.gflop={experiment.gflop} must be positive")
+    lengths = list(getattr(experiment, "lengths", [1]))
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"experiment.lengths={lengths} must be one or more positive row counts")
 
 
 def register_configs(cs: ConfigStore) -> None:

@@ -147,12 +147,18 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(measured, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def cell_name(config: dict[str, Any]) -> str:
-    """Readable and unique: the main axes, then a hash of everything else that was set."""
-    return (
-        f"{config['engine']['name']}-{config['model']['name']}-{config['experiment']['name']}"
-        f"-ctx{config['context']}-{config['dtype']}-{config_hash(config)}"
-    )
+def cell_name(config: dict[str, Any], *, engine: bool = True, model: bool = True) -> str:
+    """Readable and unique: the main axes the cell uses (no engine name for an experiment that runs
+    none, no model or context for one that reads no checkpoint), then a hash of everything that was set."""
+    axes = [
+        config["engine"]["name"] if engine else None,
+        config["model"]["name"] if model else None,
+        config["experiment"]["name"],
+        f"ctx{config['context']}" if model else None,
+        config["dtype"],
+        config_hash(config),
+    ]
+    return "-".join(a for a in axes if a)
 
 
 def load_schema() -> dict[str, Any]:

@@ -7,6 +7,13 @@ with the counter on the device (the article's fix), applied here to this engine'
 Past the window that fix would write beyond the sliding layers' buffers (on the chip it halted the
 TPU, Step 12), so the engine refuses such a cell instead.  Positions are device tensors, so the
 step compiles once.
+
+By default the model comes from decodebench's loader, which builds plain modules (nothing to
+unwrap; compressed-tensors' ``remove_dispatch`` runs if any wrapper is found).  With
+``engine.remove_wrappers=false`` it comes from Transformers' own compressed-tensors path and the
+wrappers compressed-tensors puts on the modules (compressed-tensors 0.20 adds them at the first
+forward, when it unpacks the weights) stay on: the article's "wrappers on" row, whose graphs and breaks TorchDynamo's
+counters give (``describe``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from decodebench.checkpoint import PackedTable, load_reference
 from decodebench.config import CompiledEngineConfig
 from engines.generate import static_cache_bytes
 from engines.stepping import SteppingEngine, greedy
@@ -25,27 +33,55 @@ from engines.stepping import SteppingEngine, greedy
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
 
 
-def count_wrapped_modules(model: torch.nn.Module) -> int:
-    """Modules whose forward compressed-tensors (or accelerate) wrapped; each one breaks a graph."""
-    return sum(1 for m in model.modules() if hasattr(m, "_hf_hook") or "forward" in vars(m))
+def dispatch_wrapped(model: torch.nn.Module) -> int:
+    """Modules whose forward compressed-tensors' dispatch (``_original_forward_func``) or accelerate
+    (``_hf_hook``) wrapped to move its inputs first: what ``remove_dispatch`` takes off."""
+    return sum(1 for m in model.modules() if hasattr(m, "_original_forward_func") or hasattr(m, "_hf_hook"))
+
+
+def forward_replaced(model: torch.nn.Module) -> int:
+    """Modules whose forward is not their class's own (any wrapper: dispatch, quantize-dequantize, hooks)."""
+    return sum(
+        1
+        for m in model.modules()
+        if "forward" in vars(m) and getattr(vars(m)["forward"], "__func__", None) is not type(m).forward
+    )
+
+
+def static_cache(config: Any, slots: int) -> StaticCache:
+    """Transformers' StaticCache of ``slots`` positions with the article's sliding-window fix."""
+    cache = StaticCache(config=config, max_cache_len=slots)
+    for layer in cache.layers:
+        if isinstance(layer, StaticSlidingWindowLayer):
+            for method in WINDOW_FIX:
+                setattr(layer, method, types.MethodType(getattr(StaticLayer, method), layer))
+    return cache
+
+
+def forward_logits(model: Any, cache: StaticCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Last-position logits [1, V] after ``ids`` [1, n] at ``positions`` [n] (device tensors), written to ``cache``."""
+    out = model(input_ids=ids, position_ids=positions[None], cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
 
 
 class CompiledEngine(SteppingEngine):
     name = "compiled"
     config = CompiledEngineConfig
 
+    def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
+        if self.ctx.engine_cfg.remove_wrappers:
+            return super().load_weights(keep)
+        assert self.checkpoint is not None
+        return load_reference(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device), {}
+
     def build(self) -> None:
-        self.wrapped_before = count_wrapped_modules(self.model)
-        if self.wrapped_before:
+        self.wrapped_before = dispatch_wrapped(self.model)
+        if self.wrapped_before and self.ctx.engine_cfg.remove_wrappers:
             from compressed_tensors.offload.dispatch import remove_dispatch
 
             remove_dispatch(self.model)
-        self.wrapped_after = count_wrapped_modules(self.model)
-        self.cache = StaticCache(config=self.model.config, max_cache_len=self.ctx.context)
-        for layer in self.cache.layers:
-            if isinstance(layer, StaticSlidingWindowLayer):
-                for method in WINDOW_FIX:
-                    setattr(layer, method, types.MethodType(getattr(StaticLayer, method), layer))
+        self.wrapped_after = dispatch_wrapped(self.model)
+        self.cache = static_cache(self.model.config, self.ctx.context)
 
     def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         assert self.checkpoint is not None
@@ -65,16 +101,11 @@ class CompiledEngine(SteppingEngine):
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
-        positions = torch.arange(len(prompt_ids), device=ids.device)[None]
-        logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
-        last = logits.logits[:, -1]
+        last = forward_logits(self.model, self.cache, ids, torch.arange(len(prompt_ids), device=ids.device))
         return greedy(last), last
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(
-            input_ids=token, position_ids=position[None], cache=self.cache, use_cache=True, logits_to_keep=1
-        )
-        logits = out.logits[:, -1]
+        logits = forward_logits(self.model, self.cache, token, position)
         return greedy(logits), logits
 
     def cache_bytes(self) -> int | None:
@@ -84,6 +115,8 @@ class CompiledEngine(SteppingEngine):
         return {
             **super().describe(),
             "cache": f"transformers StaticCache, max_cache_len={self.ctx.context}, sliding-window fix",
+            "loader": "decodebench" if self.ctx.engine_cfg.remove_wrappers else "transformers (compressed-tensors)",
             "wrapped_modules_before": getattr(self, "wrapped_before", None),
             "wrapped_modules_after": getattr(self, "wrapped_after", None),
+            "wrapped_modules_at_end": dispatch_wrapped(self.model) if hasattr(self, "model") else None,
         }

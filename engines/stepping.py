@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from decodebench.checkpoint import load_model
+from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import Tables, Weights
 from decodebench.device import Device
 from engines import int4
@@ -77,7 +77,7 @@ class SteppingEngine(Engine):
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         lookups = tuple(dict.fromkeys(self.keep_packed + (int4.LOOKUPS if self.int4 else ())))
         keep = lookups + (("lm_head",) if self.int4 else ())
-        self.model, packed = load_model(self.checkpoint, dtype, device, keep, keep_linears=self.int4)
+        self.model, packed = self.load_weights(keep)
         self.packed_tables = {p: w for p, w in packed.items() if p.rpartition(".")[2] in lookups}
         int4.swap_lookups(self.model, self.packed_tables, dtype, device)
         linears = {p: w for p, w in packed.items() if p not in self.packed_tables}
@@ -87,6 +87,13 @@ class SteppingEngine(Engine):
         self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
         self.build()
         self.compiled_step: Step = self.compile(self.step)
+
+    def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
+        """The model on the device from decodebench's loader, with the weights named in ``keep`` (and every
+        linear when ``engine.weights=int4``) left packed for the engine to swap in."""
+        assert self.checkpoint is not None
+        device, dtype = self.ctx.device.torch_device, self.ctx.dtype
+        return load_model(self.checkpoint, dtype, device, keep, keep_linears=self.int4)
 
     def compile(self, fn: Step) -> Step:
         """``fn`` compiled once for fixed shapes with the engine's backend (unchanged for backend=none)."""

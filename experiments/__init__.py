@@ -3,7 +3,8 @@
 ``EXPERIMENTS`` is the one registry: each entry names its function and its typed config, which
 ``register_configs`` stores as the Hydra option ``experiment=<name>``. An experiment that also sets
 run-level defaults (``parity`` runs in float32) has a YAML file in ``conf/experiment/`` that includes
-its schema (``/schema/experiment/<name>``) and sets them.
+its schema (``/schema/experiment/<name>``) and sets them. ``engine=False``: the experiment runs no
+engine (the runner builds none); ``model=False``: it reads no checkpoint either (``modes``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from hydra.core.config_store import ConfigStore
 from decodebench.config import (
     DecodeExperimentConfig,
     DefaultExperimentConfig,
+    DiagnoseExperimentConfig,
     ExperimentConfig,
+    ModesExperimentConfig,
     ParityExperimentConfig,
     RecallExperimentConfig,
 )
-from experiments import decode, parity, recall
+from experiments import decode, diagnose, modes, parity, recall
 from experiments.cell import Cell
 from experiments.common import Result
 
@@ -35,6 +38,8 @@ class Experiment:
     run: Callable[[Cell], Result]
     config: type[ExperimentConfig]
     run_defaults: bool = False  # True: conf/experiment/<name>.yaml sets run-level values too
+    engine: bool = True  # False: runs no engine
+    model: bool = True  # False: reads no checkpoint
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -42,6 +47,8 @@ EXPERIMENTS: dict[str, Experiment] = {
     "decode": Experiment(decode.run, DecodeExperimentConfig),
     "recall": Experiment(recall.run, RecallExperimentConfig),
     "parity": Experiment(parity.run, ParityExperimentConfig, run_defaults=True),
+    "modes": Experiment(modes.run, ModesExperimentConfig, engine=False, model=False),
+    "diagnose": Experiment(diagnose.run, DiagnoseExperimentConfig, engine=False),
 }
 
 

@@ -63,11 +63,15 @@ def expect_tokens(gen: Generation, n: int, who: str) -> Generation:
 
 @dataclass
 class Cell:
-    """The composed config, the resolved device and the engine, with its lifecycle in this run."""
+    """The composed config, the resolved device and the engine, with its lifecycle in this run.
+
+    ``engine`` is None for an experiment that runs none (``modes``, ``diagnose``): those never call
+    the engine's lifecycle below.
+    """
 
     cfg: Any
     device: Device
-    engine: Engine
+    engine: Engine | None
     load_s: float | None = None  # set by the load this cell timed
 
     def prepare(self) -> None:

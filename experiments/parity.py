@@ -11,9 +11,7 @@ or that the engine cannot hold, is recorded with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 from typing import Any
 
 import torch
@@ -24,7 +22,7 @@ from engines.base import EngineLimit
 from engines.generate import greedy_generate
 from engines.ring import ring_slots
 from experiments.cell import Cell, expect_tokens
-from experiments.common import Result, prompt_ids
+from experiments.common import Result, prompt_ids, quiet
 
 LONG_SENTENCE = "The tide rolls over the reef, and the gulls count the waves until the evening light fades. "
 
@@ -74,8 +72,7 @@ def reference_outputs(cell: Cell, prompts: dict[str, list[int]], n: int) -> dict
     cfg = cell.cfg
     ckpt = resolve(cfg.model, "bf16", cfg.cache_dir)
     out = {}
-    # compressed-tensors draws progress bars at load and again when it unpacks at the first forward
-    with contextlib.redirect_stderr(io.StringIO()):
+    with quiet():
         model = load_reference(ckpt, cell.engine.ctx.dtype, cell.device.torch_device)
         model.config._attn_implementation = "eager"
         for name, ids in prompts.items():

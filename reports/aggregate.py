@@ -127,7 +127,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "experiment": cfg["experiment"]["name"],
         "engine": cfg["engine"]["name"],
         "engine_config": " ".join(f"{k}={v}" for k, v in sorted(cfg["engine"].items()) if k != "name"),
-        "model": cfg["model"]["name"],
+        "model": cfg["model"]["name"] if r.model.get("kind") != "none" else "none",
         "checkpoint": r.model.get("key") or r.model.get("hub_id") or r.model.get("config_sha256_16") or "",
         "synthetic": bool(r.model.get("synthetic")),
         "device": env.get("device_kind") or cfg["device"]["kind"],

@@ -109,10 +109,14 @@ def twin(checkpoint: Any) -> str | None:
     return "emb4" if str(checkpoint).endswith("-emb4") or "(-emb4)" in str(checkpoint) else "ct-text"
 
 
-def comparator(figures: pd.DataFrame, engine: str, context: int, checkpoint_twin: str | None) -> str:
-    """The published decode rate to set beside a measured cell: same engine, the same twin where the
-    article says which, and the nearest published context, labelled; "–" when no figure matches."""
+def comparator(
+    figures: pd.DataFrame, engine: str, context: int, checkpoint_twin: str | None, wrappers_on: bool = False
+) -> str:
+    """The published decode rate to set beside a measured cell: same engine (and, for ``compiled``, its
+    wrappers on or off), the same twin where the article says which, and the nearest published
+    context, labelled; "–" when no figure matches."""
     rates = figures[(figures.metric == "decode_tok_s") & (figures.engine == engine)].copy()
+    rates = rates[rates.way.fillna("").str.contains("wrappers on") == wrappers_on]
     if rates.empty:
         return "–"
     rates["twin"] = rates.checkpoint.map(twin)

@@ -15,7 +15,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from reports import aggregate, arithmetic, plots
+from reports import aggregate, arithmetic, article_tables, plots
 from reports import published as published_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,8 +110,13 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         figures=figures,
         published_recall=published_data.recall_table(figures),
         bench=aggregate.bench_table(evidence_dir.parent / "bench"),
+        why=article_tables.build(ev.records, decode, pub),
         comparator=lambda row: published_data.comparator(
-            figures, row.engine, int(row.context), published_data.twin(row.weights)
+            figures,
+            row.engine,
+            int(row.context),
+            published_data.twin(row.weights),
+            wrappers_on="remove_wrappers=False" in row.engine_config,
         ),
         plots=[p for p in made if p],
         arithmetic_path=arithmetic_out.resolve().relative_to(REPO).as_posix()
