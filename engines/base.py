@@ -4,14 +4,16 @@ The experiment puts ``device.sync()`` and the clock around ``load`` and ``genera
 step (``splits_phases``) also time their own two phases inside one call, as the Rust article's
 engine does: ``read_s`` from the call's start until the first new token is ready on the device
 (the prompt read), ``decode_s`` from then until the last token is on the host, each boundary after
-a ``device.sync()``.  Capability flags (``devices``) and ``unsupported_reason`` decide ``skipped``
-cells; ``limit`` says what an engine cannot hold by design.
+a ``device.sync()``.  ``on_tokens`` is the one streaming hook (the server's): called on the calling
+thread with each batch of new tokens as it reaches the host, in order; a false return stops the
+call after that batch.  Without it, ``generate`` runs exactly as timed.  Capability flags
+(``devices``) and ``unsupported_reason`` decide ``skipped`` cells; ``limit`` says what an engine cannot hold by design.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,6 +26,7 @@ from decodebench.config import EngineConfig
 from decodebench.device import Device
 
 CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a padded last prompt piece)
+OnTokens = Callable[[list[int]], bool]  # a batch of new token ids on the host -> go on (False: stop after it)
 
 
 class EngineLimit(RuntimeError):
@@ -91,8 +94,21 @@ class Engine(ABC):
         """Reads the prepared checkpoint onto the device (the experiment times this)."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
-        """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer)."""
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
+        """Exactly ``max_new_tokens`` greedy tokens, never stopping at EOS (callers cut the answer).
+
+        ``on_tokens``: called with each batch of tokens read to the host, in order (an engine that
+        ``streams`` reads every ``read_every`` tokens, the stepping engines the first token alone as
+        soon as the prompt read made it; the ``generate`` family hands over each token); when it
+        returns False the call stops after that batch and ``tokens`` holds what was made so far.
+        """
 
     def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why this engine cannot hold the prompt plus its new tokens by design (``skipped``), or None."""

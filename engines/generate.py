@@ -6,12 +6,13 @@ import contextlib
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, StaticCache
+from transformers import GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from decodebench.checkpoint import load_model
 from decodebench.config import FuseEngineConfig, GenerateEngineConfig, StaticEngineConfig, StaticMode
 from decodebench.device import Device, tpu_eager_mode
-from engines.base import Engine, Generation
+from engines.base import Engine, Generation, OnTokens
 
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
@@ -21,15 +22,43 @@ def static_cache_bytes(cache: StaticCache | None) -> int | None:
     return sum(t.nbytes for t in tensors) if tensors else None
 
 
+class Streamer(BaseStreamer, StoppingCriteria):
+    """``on_tokens`` inside Transformers' ``generate``: each new token as ``generate`` hands it to its
+    streamer (the prompt first, skipped); once ``on_tokens`` returns False, nothing more is handed on
+    and the stopping criterion ends the call at generate's next check."""
+
+    def __init__(self, on_tokens: OnTokens) -> None:
+        self.on_tokens, self.prompt_seen, self.stopped = on_tokens, False, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+        elif not self.stopped:
+            self.stopped = not self.on_tokens(value.view(-1).tolist())
+
+    def end(self) -> None:
+        """Nothing is held back."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.inference_mode()
 def greedy_generate(
-    model: Any, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False, cache: Any = None
+    model: Any,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    return_logits: bool = False,
+    cache: Any = None,
+    on_tokens: OnTokens | None = None,
 ) -> Generation:
     """Transformers ``generate``: greedy, exactly ``max_new_tokens`` (no EOS stop, so every call does the
     same work), on the model's device; logits [n, V] float32 on the host when asked.
 
     ``eos_token_id=[]``, not None: generate fills every None field from the model's own generation
-    config, whose EOS list would then stop the call early.
+    config, whose EOS list would then stop the call early. ``on_tokens`` (see ``engines.base``) goes in
+    as generate's own streamer and stopping criterion; the tokens returned are those it was handed.
     """
     ids = torch.tensor([prompt_ids], device=model.device)
     config = GenerationConfig(
@@ -41,7 +70,15 @@ def greedy_generate(
         output_logits=return_logits,
         return_dict_in_generate=True,
     )
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, cache=cache)
+    streamer = Streamer(on_tokens) if on_tokens is not None else None
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        generation_config=config,
+        cache=cache,
+        streamer=streamer,
+        stopping_criteria=StoppingCriteriaList([streamer]) if streamer else None,
+    )
     logits = torch.cat([step.float().cpu() for step in out.logits]) if return_logits else None
     return Generation(out.sequences[0, len(prompt_ids) :].tolist(), logits)
 
@@ -62,11 +99,23 @@ class GenerateEngine(Engine):
         return None
 
     @torch.inference_mode()  # the cache is reset in place: it must be inside, with the generate that made it
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
         mode = tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
         with mode:
             return greedy_generate(
-                self.model, prompt_ids, max_new_tokens, return_logits=return_logits, cache=self.cache()
+                self.model,
+                prompt_ids,
+                max_new_tokens,
+                return_logits=return_logits,
+                cache=self.cache(),
+                on_tokens=on_tokens,
             )
 
 

@@ -31,7 +31,7 @@ import torch
 from decodebench.checkpoint import text_state_dict
 from decodebench.config import JaxEngineConfig, StepMatmul, Weights
 from decodebench.device import Device
-from engines.base import Engine, Generation
+from engines.base import Engine, Generation, OnTokens
 from engines.ring import cache_layout
 
 
@@ -117,7 +117,14 @@ class JaxEngine(Engine):
             token, logits, self.cache = self.piece_fn(self.params, self.cache, *jax.device_put(inputs, device))
         return token, logits
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
         import jax
 
         start = time.perf_counter()
@@ -128,16 +135,26 @@ class JaxEngine(Engine):
         position = jax.device_put(np.asarray([len(prompt_ids)], np.int32), self.ctx.device.jax_device)
         pending, tokens, kept = [token], [], [logits] if return_logits else []
         read_every = self.ctx.read_every or max_new_tokens
-        for _ in range(max_new_tokens - 1):
+        steps = max_new_tokens - 1
+        if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
+            tokens, pending = [int(jax.device_get(token)[0])], []
+            steps = steps if on_tokens(list(tokens)) else 0
+        for _ in range(steps):
             token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
             pending.append(token)
             if return_logits:
                 kept.append(logits)
             if len(pending) >= read_every:  # the read-back: device -> host, waits for the tokens
-                tokens += [int(t[0]) for t in jax.device_get(pending)]
+                batch = [int(t[0]) for t in jax.device_get(pending)]
+                tokens += batch
                 pending = []
+                if on_tokens is not None and not on_tokens(batch):
+                    break
         if pending:
-            tokens += [int(t[0]) for t in jax.device_get(pending)]
+            batch = [int(t[0]) for t in jax.device_get(pending)]
+            tokens += batch
+            if on_tokens is not None:
+                on_tokens(batch)
         end = time.perf_counter()
         stacked = torch.from_numpy(np.stack(jax.device_get(kept)).astype(np.float32)) if return_logits else None
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)

@@ -15,7 +15,7 @@ import torch
 from decodebench.checkpoint import load_model
 from decodebench.config import RustEngineConfig
 from decodebench.device import Device
-from engines.base import Engine, Generation
+from engines.base import Engine, Generation, OnTokens
 from engines.ring import full_slots, kv_sources, ring_slots
 
 
@@ -86,9 +86,21 @@ class RustEngine(Engine):
         self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
         self.build = dict(decodebench_rs.BUILD)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
+        """The Rust loop; ``on_tokens`` is its own per-batch callback (called with the GIL taken back)."""
         tokens, _, logits = self.native.decode(
-            prompt_ids, max_new_tokens, read_every=self.ctx.read_every, return_logits=return_logits
+            prompt_ids,
+            max_new_tokens,
+            read_every=self.ctx.read_every,
+            on_tokens=on_tokens,
+            return_logits=return_logits,
         )
         timers = self.native.timers
         return Generation(

@@ -23,7 +23,7 @@ from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import Tables, Weights
 from decodebench.device import Device
 from engines import int4
-from engines.base import Engine, Generation
+from engines.base import Engine, Generation, OnTokens
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -119,7 +119,14 @@ class SteppingEngine(Engine):
         """One token [1, 1] at ``position`` [1] (device tensors) -> the next token [1, 1] and logits [1, V]."""
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
         sync = self.ctx.device.sync
         sync()
         start = time.perf_counter()
@@ -130,7 +137,11 @@ class SteppingEngine(Engine):
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
         pending, tokens, kept_logits = [token], [], [logits] if return_logits else []
         read_every = self.ctx.read_every or max_new_tokens
-        for i in range(max_new_tokens - 1):
+        steps = max_new_tokens - 1
+        if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
+            tokens, pending = token.view(-1).tolist(), []
+            steps = steps if on_tokens(list(tokens)) else 0
+        for i in range(steps):
             self.before_step(len(prompt_ids) + i)
             token, logits = self.compiled_step(token, position)
             position = position + 1
@@ -138,10 +149,16 @@ class SteppingEngine(Engine):
             if return_logits:
                 kept_logits.append(logits)
             if len(pending) >= read_every:  # the read-back: a device -> host copy that waits
-                tokens += torch.cat(pending).view(-1).tolist()
+                batch = torch.cat(pending).view(-1).tolist()
+                tokens += batch
                 pending = []
+                if on_tokens is not None and not on_tokens(batch):
+                    break
         if pending:
-            tokens += torch.cat(pending).view(-1).tolist()
+            batch = torch.cat(pending).view(-1).tolist()
+            tokens += batch
+            if on_tokens is not None:
+                on_tokens(batch)
         sync()
         end = time.perf_counter()
         stacked = torch.cat(kept_logits).float().cpu() if return_logits else None
