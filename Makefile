@@ -9,7 +9,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4
+.PHONY: setup demo test report sweep lint clean bench-int4 serve
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -17,10 +17,10 @@ RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RU
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax])"
+	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax,serve])"
 	@$(BIN)/pip install -qq --upgrade pip
 	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
-	@$(BIN)/pip install -qq -e ".[dev,rust,jax]"
+	@$(BIN)/pip install -qq -e ".[dev,rust,jax,serve]"
 	@touch $(STAMP)
 
 # The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates
@@ -29,7 +29,18 @@ $(RUST_STAMP): $(STAMP) $(RUST_SOURCES) scripts/build_rust.py
 	@$(BIN)/python scripts/build_rust.py --venv $(CURDIR)/$(VENV)
 	@touch $(RUST_STAMP)
 
-setup: $(STAMP) $(RUST_STAMP)
+# Debian's chromium and its driver, for the chat page's browser test and screenshot (selenium drives
+# them by path; nothing is downloaded): apt-get installs them when missing and setup runs as root.
+BROWSER_STAMP := $(VENV)/.browser-stamp
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "setup: chromium and chromium-driver from Debian (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "setup: no chromium/chromedriver and not root: the chat page's browser test is skipped"; fi
+	@touch $(BROWSER_STAMP)
+
+setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP)
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
@@ -53,6 +64,11 @@ test: setup
 bench-int4: setup
 	@mkdir -p evidence/bench
 	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
+
+# The OpenAI-compatible server over one engine (decodebench/serve.py); chat page at http://127.0.0.1:8000/
+SERVE_ARGS ?= engine=ring model=tiny
+serve: setup
+	$(BIN)/python -m decodebench.serve $(SERVE_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

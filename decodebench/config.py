@@ -303,6 +303,46 @@ class DiagnoseExperimentConfig(ExperimentConfig):
     cache_slots: int = 4352
 
 
+SERVE_PROMPTS = [
+    "Write a short paragraph about the ocean.",
+    "What is a TPU? Two sentences.",
+    "Name three uses of a ring buffer.",
+    "Explain greedy decoding in one sentence.",
+    "Write a haiku about memory bandwidth.",
+    "List four planets and one fact about each.",
+    "Why does a key-value cache speed up decoding?",
+    "Describe a lighthouse at night.",
+]
+
+
+@dataclass
+class ServeExperimentConfig(ExperimentConfig):
+    """The Rust article's served measurements through decodebench's OpenAI-compatible server.
+
+    (a) ``requests`` non-streamed requests one at a time with the run's prompt at ``max_tokens``;
+    (b) each of ``prompts`` streamed once (time to first token, inter-token latency, client tok/s);
+    (c) a stream dropped after ``cancel_after`` chunks must move the cancel counter by one and leave
+    the engine idle within ``idle_timeout_s`` seconds, else the cell fails. ``screenshot``: a picture of
+    the chat page beside the evidence when a headless chromium is installed.
+    """
+
+    requests: int = 5
+    max_tokens: int = 100
+    prompts: list[str] = field(default_factory=lambda: list(SERVE_PROMPTS))
+    cancel_after: int = 10
+    idle_timeout_s: float = 30.0
+    screenshot: bool = True
+
+
+@dataclass
+class ServeConfig:
+    """Where ``python -m decodebench.serve`` listens (not a measured setting: the serve experiment
+    always takes a free loopback port). Binds the loopback address unless told otherwise."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
 @dataclass
 class HardwareConfig:
     """Facts about the machine that derived figures need, each with its source.
@@ -329,6 +369,7 @@ class RunConfig:
     device: DeviceConfig = MISSING
     experiment: ExperimentConfig = MISSING
     hardware: HardwareConfig = MISSING
+    serve: ServeConfig = field(default_factory=ServeConfig)
     context: int = 256
     max_new_tokens: int = 64
     read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
@@ -439,11 +480,18 @@ def validate(cfg: Any) -> None:
 
 def validate_experiment(experiment: Any) -> None:
     """Counts and sizes an experiment's config must keep positive (each named with its value)."""
-    for name in ("layers", "cpu_work_divisor", "steps", "bucket", "probe_width", "read_steps", "cache_slots"):
+    for name in ("layers", "cpu_work_divisor", "steps", "bucket", "probe_width", "read_steps", "cache_slots",
+                 "requests", "max_tokens"):  # fmt: skip
         if getattr(experiment, name, 1) < 1:
             raise ConfigError(f"experiment.{name}={getattr(experiment, name)} must be at least 1")
     if getattr(experiment, "gflop", 1) <= 0:
         raise ConfigError(f"experiment.gflop={experiment.gflop} must be positive")
+    if getattr(experiment, "cancel_after", 2) < 2:
+        raise ConfigError(f"experiment.cancel_after={experiment.cancel_after} must be at least 2 chunks")
+    if getattr(experiment, "idle_timeout_s", 1) <= 0:
+        raise ConfigError(f"experiment.idle_timeout_s={experiment.idle_timeout_s} must be positive")
+    if not list(getattr(experiment, "prompts", ["x"])):
+        raise ConfigError("experiment.prompts is empty: the streamed part needs one prompt or more")
     lengths = list(getattr(experiment, "lengths", [1]))
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"experiment.lengths={lengths} must be one or more positive row counts")

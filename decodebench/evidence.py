@@ -21,8 +21,8 @@ import jsonschema
 
 SCHEMA_VERSION = "1.0"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
-# Settings that say where and how evidence is kept, not what was measured.
-NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir")
+# Settings that say where and how evidence is kept (or where a server listens), not what was measured.
+NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "serve")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,218 @@
+"""One thread owns the engine: requests queue to it and it decodes them one at a time.
+
+The HTTP side (``decodebench.serve``) never calls the engine. It submits a ``Job`` and reads the
+job's events (token batches, then the ``Finished`` record) from an asyncio queue that this worker
+fills with ``loop.call_soon_threadsafe``, so the event loop never waits on the model. The worker is
+no thread of its own: ``serve_until`` runs on whichever thread built the engine (the Rust engine is
+unsendable: PyO3 refuses every other thread), the server's main thread or a benchmark cell's.
+
+Streaming and cancelling go through the engines' one hook, ``generate(on_tokens=...)``: each batch
+of tokens read to the host (every ``read_every`` tokens) is cut after the first EOS id and handed to
+the job; the hook returns False, and the decode stops after that batch, once EOS was read
+(``finish="stop"``) or the client has gone (``finish="cancelled"``, counted as a cancel).
+
+Timers: ``read_s`` and ``decode_s`` are the engine's own (``engines.base``; None for an engine that
+cannot split a call); ``queue_s`` is from ``submit`` to the engine taking the job, wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from uuid import uuid4
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engines.base import Engine
+
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (one per app)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "decodebench_requests", "Requests the engine finished, by endpoint and finish reason",
+            ["endpoint", "finish"], registry=r,
+        )  # fmt: skip
+        self.rejected = Counter("decodebench_rejected", "Requests answered with an error, by HTTP status", ["status"],
+                                registry=r)  # fmt: skip
+        self.cancels = Counter("decodebench_cancels", "Decodes cancelled because the client went away", registry=r)
+        self.prompt_tokens = Counter("decodebench_prompt_tokens", "Prompt tokens read", registry=r)
+        self.completion_tokens = Counter("decodebench_completion_tokens", "Tokens sent to clients", registry=r)
+        self.in_flight = Gauge("decodebench_in_flight", "Requests accepted and not finished (queued or decoding)",
+                               registry=r)  # fmt: skip
+        self.queue_depth = Gauge("decodebench_queue_depth", "Requests waiting for the engine", registry=r)
+        self.read_seconds = Histogram("decodebench_read_seconds", "Prompt read seconds, the engine's own timer",
+                                      buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
+        self.decode_seconds = Histogram("decodebench_decode_seconds", "Decode seconds, the engine's own timer",
+                                        buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
+        self.queue_seconds = Histogram("decodebench_queue_seconds", "Seconds a request waited for the engine",
+                                       buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
+
+
+@dataclass
+class Job:
+    """One request for the engine: the prompt ids, the token budget, and where its events go."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    endpoint: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: uuid4().hex[:24])
+    submitted: float = 0.0
+
+    def send(self, event: list[int] | Finished) -> None:
+        """From the engine's thread to the job's event loop, without waiting."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class Finished:
+    """The server's own record of one request (the last event of its job).
+
+    ``completion_tokens``: tokens sent to the client, an EOS that stopped it included; ``engine_tokens``:
+    tokens the engine made in ``decode_s`` (more when a batch ran past EOS or a cancel).
+    """
+
+    id: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    engine_tokens: int
+    finish: str  # stop, length, cancelled, error
+    read_s: float | None
+    decode_s: float | None
+    queue_s: float
+    started: float  # perf_counter when the engine took the job
+    ended: float
+    thread: str
+    read_every: int
+    error: str | None = None
+
+    @property
+    def engine_tok_s(self) -> float | None:
+        """(engine tokens - 1) / decode_s: the first token comes from the prompt read."""
+        if not self.decode_s or self.engine_tokens < 2:
+            return None
+        return (self.engine_tokens - 1) / self.decode_s
+
+    def extension(self) -> dict[str, Any]:
+        """The ``decodebench`` field of a response: the engine's own timers for this request."""
+        keys = ("finish", "read_s", "decode_s", "engine_tokens", "queue_s", "read_every", "thread")
+        return {**{k: getattr(self, k) for k in keys}, "engine_tok_s": self.engine_tok_s}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "engine_tok_s": self.engine_tok_s}
+
+
+class EngineWorker:
+    """Owns one loaded engine; ``serve_until`` decodes queued jobs, one at a time, on the calling thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, read_every: int, keep: int = 256) -> None:
+        self.engine, self.metrics, self.read_every = engine, metrics, read_every
+        self.eos = set(engine.eos_ids)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.records: deque[Finished] = deque(maxlen=keep)
+        self.busy = False
+        self.owner: str | None = None
+
+    def submit(self, job: Job) -> None:
+        """Called from the event loop: queues the job (never waits)."""
+        job.submitted = time.perf_counter()
+        self.metrics.in_flight.inc()
+        self.metrics.queue_depth.inc()
+        self.jobs.put(job)
+
+    def serve_until(self, done: Callable[[], bool], poll_s: float = 0.05) -> None:
+        """Takes jobs in order until ``done()``; must run on the thread that built the engine."""
+        self.owner = threading.current_thread().name
+        while not done():
+            try:
+                job = self.jobs.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            self.metrics.queue_depth.dec()
+            self.busy = True
+            try:
+                record = self.decode(job)
+            finally:
+                self.busy = False
+            self.account(record)
+            job.send(record)
+
+    def decode(self, job: Job) -> Finished:
+        """The job through ``generate`` with the streaming hook; a failure becomes ``finish="error"``."""
+        started = time.perf_counter()
+        sent: list[int] = []
+        finish = "cancelled" if job.cancel.is_set() else "length"
+
+        def on_tokens(batch: list[int]) -> bool:
+            nonlocal finish
+            if job.cancel.is_set():
+                finish = "cancelled"
+                return False
+            stop = next((i for i, t in enumerate(batch) if t in self.eos), None)
+            kept = batch if stop is None else batch[: stop + 1]
+            sent.extend(kept)
+            job.send(kept)
+            if stop is not None:
+                finish = "stop"
+                return False
+            return True
+
+        read_s = decode_s = None
+        made, error = 0, None
+        if finish != "cancelled":  # a client that left while queued costs no decode
+            try:
+                with self.engine.reading_every(self.read_every):
+                    gen = self.engine.generate(job.prompt_ids, job.max_tokens, on_tokens=on_tokens)
+                read_s, decode_s, made = gen.read_s, gen.decode_s, len(gen.tokens)
+            except Exception as exc:  # the server keeps serving; the client gets the reason
+                finish, error = "error", f"{type(exc).__name__}: {exc}"
+        return Finished(
+            id=job.id,
+            endpoint=job.endpoint,
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=len(sent),
+            engine_tokens=made,
+            finish=finish,
+            read_s=read_s,
+            decode_s=decode_s,
+            queue_s=started - job.submitted,
+            started=started,
+            ended=time.perf_counter(),
+            thread=threading.current_thread().name,
+            read_every=self.read_every,
+            error=error,
+        )
+
+    def account(self, record: Finished) -> None:
+        """The record into the metrics and the recent-records list."""
+        m = self.metrics
+        m.requests.labels(record.endpoint, record.finish).inc()
+        if record.finish == "cancelled":
+            m.cancels.inc()
+        m.prompt_tokens.inc(record.prompt_tokens)
+        m.completion_tokens.inc(record.completion_tokens)
+        m.queue_seconds.observe(record.queue_s)
+        if record.read_s is not None:
+            m.read_seconds.observe(record.read_s)
+        if record.decode_s is not None:
+            m.decode_seconds.observe(record.decode_s)
+        self.records.append(record)
+        m.in_flight.dec()
+
+    def idle(self) -> bool:
+        """Nothing decoding and nothing queued."""
+        return not self.busy and self.jobs.empty()
