@@ -146,6 +146,14 @@ def _headline(record: evidence.Record) -> str:
         ran = [o for o in record.outputs["recall"] if o["status"] == "ok"]
         rates = ", ".join(f"{o['prompt_tokens']} tok read at {o['read_tok_s']:.0f} tok/s" for o in ran)
         return f"recall: {len(ran)} of {len(record.outputs['recall'])} prompts ran ({rates})"
+    if "cancel" in record.outputs:
+        served, bare = record.value("served_engine_tok_s"), record.value("bare_decode_tok_s")
+        engine_rate = f"{served:.2f} tok/s engine timer served" if served is not None else "no engine timer"
+        return (
+            f"serve: {engine_rate}, bare {bare:.2f} tok/s, TTFT median {record.value('ttft_s'):.3f} s, "
+            f"cancel counter {record.value('cancel_counter_before'):g} -> {record.value('cancel_counter_after'):g}"
+            f"{synthetic}"
+        )
     if "claims" in record.outputs:
         held = sum(c["holds"] for c in record.outputs["claims"])
         return f"diagnose: {held} of {len(record.outputs['claims'])} claims hold{synthetic}"

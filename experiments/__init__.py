@@ -22,8 +22,9 @@ from decodebench.config import (
     ModesExperimentConfig,
     ParityExperimentConfig,
     RecallExperimentConfig,
+    ServeExperimentConfig,
 )
-from experiments import decode, diagnose, modes, parity, recall
+from experiments import decode, diagnose, modes, parity, recall, serve
 from experiments.cell import Cell
 from experiments.common import Result
 
@@ -49,6 +50,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "parity": Experiment(parity.run, ParityExperimentConfig, run_defaults=True),
     "modes": Experiment(modes.run, ModesExperimentConfig, engine=False, model=False),
     "diagnose": Experiment(diagnose.run, DiagnoseExperimentConfig, engine=False),
+    "serve": Experiment(serve.run, ServeExperimentConfig),
 }
 
 

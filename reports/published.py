@@ -153,3 +153,40 @@ def recall_table(figures: pd.DataFrame) -> pd.DataFrame:
         entry[column] = {"1": "yes", "0": "no"}.get(text, text) if column in ("found", "same_as_laptop") else text
     ordered = sorted(table.values(), key=lambda e: (e["context"], int(e.get("prompt_tokens", 0))))
     return pd.DataFrame(ordered, columns=["context", *RECALL_COLUMNS])
+
+
+SERVE_ARTICLE = "rust-torchtpu"
+FIVE_REQUESTS = "Five requests, one at a time (engine timer)"
+
+
+def serving_row(figures: pd.DataFrame) -> dict[str, str]:
+    """The Rust article's served figures as one row of the serving table, each as printed: the five
+    requests' tokens, finish and seconds (the smallest to the largest printed), its median engine tok/s
+    with min and max, the streamed first-token and client rates, and the cancel counter."""
+    rig = figures[figures.article == SERVE_ARTICLE]
+    by_id = {row.id: row for _, row in rig.iterrows()}
+    five = rig[rig.table == FIVE_REQUESTS]
+
+    def printed_range(metric: str) -> str:
+        rows = five[five.way.str.startswith("request ") & (five.metric == metric)]
+        if rows.empty:
+            return "–"
+        texts = sorted((span(r) for _, r in rows.iterrows()), key=float)
+        return texts[0] if texts[0] == texts[-1] else f"{texts[0]} to {texts[-1]}"
+
+    def one(figure: str) -> str:
+        return span(by_id[figure]) if figure in by_id else "–"
+
+    return {
+        "tokens": printed_range("completion_tokens"),
+        "finish": one("req_finish_reason"),
+        "read_s": printed_range("read_s"),
+        "decode_s": printed_range("decode_s"),
+        "client_s": printed_range("client_s"),
+        "engine_tok_s": f"{one('req_median_decode_tok_s')} ({one('req_min_decode_tok_s')} to "
+        f"{one('req_max_decode_tok_s')})",
+        "ttft": one("client_first_token_s"),
+        "client_tok_s": one("client_tok_s"),
+        "cancel": f"{one('rig_cancel_counter_before')} → {one('rig_cancel_counter_after')} "
+        f"after {one('client_cancel_after_chunks')} chunks",
+    }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from reports import published as published_data
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+CHAT_PNG = "chat.png"  # the chat page's screenshot beside the report
 
 
 @dataclass
@@ -57,6 +59,19 @@ def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
     return {k: sorted(v, key=rank) for k, v in out.items()}
 
 
+def chat_screenshot(serving: Any, evidence_dir: Path, out: Path) -> dict[str, str] | None:
+    """The chat page's screenshot of the last serve cell that took one (by file name), copied beside the
+    report as ``chat.png``; None when no serve cell took one."""
+    shots = serving.dropna(subset=["screenshot"]).sort_values("file")
+    if shots.empty:
+        return None
+    source = evidence_dir / shots.iloc[-1].screenshot
+    if not source.is_file():
+        return None
+    shutil.copyfile(source, out / CHAT_PNG)
+    return {"name": CHAT_PNG, "source": shots.iloc[-1].screenshot}
+
+
 def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs:
     """Renders both files (and the plots beside the report). With no evidence at all, only
     ``arithmetic.txt`` is written (the articles' figures recomputed, nothing measured) and the report is None."""
@@ -89,7 +104,11 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     recall = aggregate.recall_table(ev.records)
     too_long = recall.reason.fillna("").str.contains("does not fit context")
     figures = pub.all_figures()
+    serving = aggregate.serve_table(ev.records)
     text = env.get_template("REPORT.md.j2").render(
+        serving=serving,
+        serve_published=published_data.serving_row(figures),
+        chat_screenshot=chat_screenshot(serving, evidence_dir, report.parent),
         cells=cells,
         decode=arithmetic.with_derived_columns(decode, measured),
         recall=recall[~too_long],

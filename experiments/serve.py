@@ -1,0 +1,310 @@
+"""Experiment ``serve``: the Rust article's served measurements, through decodebench's own server.
+
+The cell's engine is loaded and called on the cell's thread, which then owns it while it serves
+(``decodebench.worker``); uvicorn runs on a thread of its own on a free loopback port, and the
+official ``openai`` client runs the method on a third:
+
+0. bare: the ``decode`` experiment's method on this cell, at the server's ``read_every`` (max of the
+   run's and 1: a server streams): ``bare_decode_tok_s`` = (N-1)/(T_N - T_1) per repeat pair,
+   ``bare_phase_tok_s`` = (N-1)/decode_s from the engine's timers, N = ``experiment.max_tokens``.
+   The first N-token call (compile included) is the server's warm-up (``warmup_s``). Then one
+   request through the server, not counted, warms its path.
+1. (a) ``requests`` non-streamed requests one at a time, the run's prompt, ``max_tokens``: per request
+   the completion tokens and finish (usage field), the engine's read and decode seconds and
+   ``engine_tok_s`` = (engine tokens - 1)/decode_s (the response's ``decodebench`` field), and the
+   client's seconds around the call.
+2. (b) each of ``prompts`` streamed once: TTFT (send to the first token chunk), ITL (every gap between
+   consecutive token chunks), TPOT = (E2EL - TTFT)/(tokens - 1), E2EL (send to the end of the
+   stream), ``client_tok_s`` = (tokens - 1)/(E2EL - TTFT), tokens from the usage field, checked
+   against the token counts the chunks carry. ITL percentiles are over gaps, not requests.
+3. (c) cancel: a stream asking for all the cache holds is dropped after ``cancel_after`` token
+   chunks; the server's cancel counter must move by exactly one and the engine go idle within
+   ``idle_timeout_s`` (``/health``, ``/metrics``), else the cell fails.
+
+Request rate and output token throughput are per part: requests (tokens) over that part's wall time.
+``served_over_bare`` = median served ``engine_tok_s`` / median ``bare_decode_tok_s``; ``client_over_bare``
+= median streamed ``client_tok_s`` / median ``bare_decode_tok_s``: the server's cost over the bare
+engine in the same cell. A screenshot of the chat page goes beside the evidence when a headless
+chromium is installed (``decodebench.browser``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from decodebench import browser
+from decodebench.config import ConfigError
+from decodebench.evidence import samples, scalar
+from decodebench.serve import create_app, describe_engine, running
+from decodebench.worker import EngineWorker, Metrics
+from engines.base import EngineLimit
+from experiments.cell import Cell, MethodError
+from experiments.common import Result, prompt_ids
+
+PERCENTILES = (50, 90, 99)
+MEASURED_FINISH = ("stop", "length")
+SCREENSHOT_S = 600.0  # the page's one reply of max_tokens, on the slowest engine here
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` parsed as Prometheus text: sample name (labels dropped, values summed) -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def check_fit(cell: Cell, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Every prompt's ids; a cache too small for one of them plus ``max_tokens`` fails the cell."""
+    tokenizer, cfg = cell.engine.tokenizer, cell.cfg
+    all_ids = [prompt_ids(tokenizer, text, cfg.chat_template) for text in texts]
+    for text, ids in zip(texts, all_ids, strict=True):
+        if len(ids) + max_tokens > cfg.context:
+            raise ConfigError(
+                f"context={cfg.context} is too small: the prompt {text!r} is {len(ids)} tokens and "
+                f"experiment.max_tokens={max_tokens}, so the cache needs {len(ids) + max_tokens} slots"
+            )
+        limit = cell.engine.limit(len(ids), max_tokens)
+        if limit:
+            raise EngineLimit(limit)
+    return all_ids
+
+
+def bare(cell: Cell, ids: list[int], n: int) -> dict[str, Any]:
+    """The decode experiment's method at the server's read_every: warm-up, then ``repeats`` pairs."""
+    first, warmup_s = cell.timed_call(ids, n)
+    rates, phase = [], []
+    for _ in range(cell.cfg.repeats):
+        _, t1 = cell.timed_call(ids, 1)
+        gen, tn = cell.timed_call(ids, n)
+        if gen.tokens != first.tokens:
+            raise MethodError("a warm greedy call wrote different tokens from the first call")
+        rates.append((n - 1) / (tn - t1))
+        if gen.decode_s:
+            phase.append((n - 1) / gen.decode_s)
+    return {"warmup_s": warmup_s, "rates": rates, "phase": phase}
+
+
+def messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def one_at_a_time(client: Any, model: str, prompt: str, exp: Any) -> tuple[list[dict[str, Any]], float]:
+    """(a): the article's five requests; each row from the response's usage and ``decodebench`` fields."""
+    rows, start = [], time.perf_counter()
+    for i in range(exp.requests):
+        sent = time.perf_counter()
+        r = client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=exp.max_tokens)
+        client_s = time.perf_counter() - sent
+        ext = r.model_extra["decodebench"]
+        finish = r.choices[0].finish_reason
+        if finish not in MEASURED_FINISH:
+            raise MethodError(f"request {i + 1} finished {finish!r}: only stop or length are measured")
+        rows.append({"request": i + 1, "tokens": r.usage.completion_tokens, "finish": finish,
+                     "read_s": ext["read_s"], "decode_s": ext["decode_s"], "engine_tokens": ext["engine_tokens"],
+                     "engine_tok_s": ext["engine_tok_s"], "queue_s": ext["queue_s"], "client_s": client_s})  # fmt: skip
+    return rows, time.perf_counter() - start
+
+
+def streamed(client: Any, model: str, text: str, max_tokens: int, read_every: int) -> dict[str, Any]:
+    """(b): one streamed request, each token chunk timed on arrival."""
+    sent = time.perf_counter()
+    stamps, counts, finish, tokens, ext = [], [], None, None, None
+    stream = client.chat.completions.create(
+        model=model, messages=messages(text), max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if choice.finish_reason is not None:
+            finish, ext = choice.finish_reason, chunk.model_extra["decodebench"]
+        elif choice.delta.role is None:  # a token batch (the first chunk only names the role)
+            stamps.append(now)
+            counts.append(chunk.model_extra["decodebench"]["tokens"])
+    end = time.perf_counter()
+    if finish not in MEASURED_FINISH or tokens is None or not stamps:
+        raise MethodError(f"the stream for {text!r} ended with finish={finish!r}, usage={tokens}, {len(stamps)} chunks")
+    if sum(counts) != tokens or max(counts) > read_every:
+        raise MethodError(
+            f"the stream for {text!r} carried {sum(counts)} tokens in {len(counts)} chunks (at most {max(counts)} "
+            f"a chunk) where its usage says {tokens} tokens at read_every={read_every}"
+        )
+    ttft, e2el = stamps[0] - sent, end - sent
+    rate = (tokens - 1) / (e2el - ttft) if tokens > 1 else None
+    return {"prompt": text, "tokens": tokens, "chunks": len(stamps), "finish": finish, "ttft_s": ttft,
+            "e2el_s": e2el, "tpot_s": (e2el - ttft) / (tokens - 1) if tokens > 1 else None,
+            "client_tok_s": rate, "itl_s": [float(g) for g in np.diff(stamps)], "engine_tok_s": ext["engine_tok_s"],
+            "read_s": ext["read_s"]}  # fmt: skip
+
+
+def cancel(client: Any, url: str, model: str, prompt: str, room: int, exp: Any, worker: EngineWorker) -> dict[str, Any]:
+    """(c): drop a stream after ``cancel_after`` token chunks; the counter moves by one, the engine idles."""
+    before = scrape(url)["decodebench_cancels_total"]
+    stream = client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=room, stream=True)
+    got = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason is None and chunk.choices[0].delta.role is None:
+            got += 1
+            if got >= exp.cancel_after:
+                break
+    stream.close()  # the connection goes: the server sees the client leave
+    dropped = time.perf_counter()
+    if got < exp.cancel_after:
+        raise MethodError(
+            f"the cancel stream ended after {got} chunks, before experiment.cancel_after={exp.cancel_after}"
+        )
+    deadline = dropped + exp.idle_timeout_s
+    while True:
+        after = scrape(url)["decodebench_cancels_total"]
+        idle = httpx.get(f"{url}/health", timeout=10).json()["idle"]
+        if after >= before + 1 and idle:
+            break
+        if time.perf_counter() > deadline:
+            raise MethodError(
+                f"after the client left, the cancel counter went {before:g} -> {after:g} and the engine was "
+                f"{'idle' if idle else 'busy'} {exp.idle_timeout_s} s later (needs +1 and idle)"
+            )
+        time.sleep(0.02)
+    idle_s = time.perf_counter() - dropped
+    record = worker.records[-1]
+    if after != before + 1 or record.finish != "cancelled":
+        raise MethodError(f"cancel counter {before:g} -> {after:g}, last request finished {record.finish!r}")
+    return {"chunks_before_drop": got, "max_tokens": room, "counter_before": before, "counter_after": after,
+            "idle_s": idle_s, "engine_tokens": record.engine_tokens, "sent_tokens": record.completion_tokens,
+            "finish": record.finish}  # fmt: skip
+
+
+def screenshot(cell: Cell, url: str) -> dict[str, Any]:
+    """The chat page after one reply, beside the evidence (``<sweep>/chat-...png``), or why not."""
+    cfg = cell.cfg
+    if not cfg.experiment.screenshot:
+        return {"status": "skipped", "reason": "experiment.screenshot=false"}
+    reason = browser.missing()
+    if reason:
+        return {"status": "skipped", "reason": reason}
+    name = f"{cfg.sweep}/chat-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}.png"
+    page = f"{url}/?max_tokens={cfg.experiment.max_tokens}"
+    try:
+        browser.chat_screenshot(page, cfg.prompt, Path(cfg.evidence_dir) / name, timeout_s=SCREENSHOT_S)
+    except Exception as exc:  # a picture is not a measurement: the cell keeps its figures, the reason is kept
+        return {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"status": "ok", "file": name}
+
+
+def clients(cell: Cell, url: str, model: str, worker: EngineWorker, room: int) -> dict[str, Any]:
+    """The three parts with the official client, on the client thread."""
+    from openai import OpenAI
+
+    cfg, exp = cell.cfg, cell.cfg.experiment
+    client = OpenAI(base_url=f"{url}/v1", api_key="decodebench", max_retries=0, timeout=600)
+    client.chat.completions.create(model=model, messages=messages(cfg.prompt), max_tokens=exp.max_tokens)  # warm
+    rows, wall_a = one_at_a_time(client, model, cfg.prompt, exp)
+    start = time.perf_counter()
+    streams = [streamed(client, model, text, exp.max_tokens, worker.read_every) for text in exp.prompts]
+    wall_b = time.perf_counter() - start
+    cancelled = cancel(client, url, model, cfg.prompt, room, exp, worker)
+    return {"requests": rows, "wall_a": wall_a, "streams": streams, "wall_b": wall_b, "cancel": cancelled,
+            "screenshot": screenshot(cell, url)}  # fmt: skip
+
+
+def median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def run(cell: Cell, result: Result | None = None) -> Result:
+    cfg, exp, engine = cell.cfg, cell.cfg.experiment, cell.engine
+    result = result or Result()
+    cell.prepare()
+    ids, *_ = check_fit(cell, [cfg.prompt, *exp.prompts], exp.max_tokens)
+    cell.load()
+    read_every = max(cfg.read_every, 1)
+    with engine.reading_every(read_every):
+        base = bare(cell, ids, exp.max_tokens)
+    served = describe_engine(
+        engine, cell.device, cfg.model.name, cfg.context, cell.load_s, base["warmup_s"], read_every
+    )
+    worker = EngineWorker(engine, Metrics(), read_every)
+    with running(create_app(served, worker, engine)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
+        parts = pool.submit(clients, cell, url, served.model_id, worker, cfg.context - len(ids))
+        worker.serve_until(parts.done)  # this thread built the engine: it serves until the clients are done
+        out = parts.result()
+
+    rows, streams = out["requests"], out["streams"]
+    gaps = [g for s in streams for g in s["itl_s"]]
+    bare_rate = statistics.median(base["rates"])
+    m = result.measurements
+    m.update(
+        load_s=scalar(cell.load_s, "s"),
+        warmup_s=scalar(base["warmup_s"], "s", method="first generate(N) at the server's read_every, compile included"),
+        bare_decode_tok_s=samples(base["rates"], "tok/s", formula="(N-1)/(T_N-T_1)", read_every=read_every),
+        served_tokens=samples([r["tokens"] for r in rows], "tok", source="usage.completion_tokens"),
+        served_client_s=samples([r["client_s"] for r in rows], "s", method="client wall clock around create()"),
+        request_rate_req_s=scalar(len(rows) / out["wall_a"], "req/s", method="(a) requests / wall seconds"),
+        output_tok_s=scalar(sum(r["tokens"] for r in rows) / out["wall_a"], "tok/s", method="(a) tokens / wall s"),
+        stream_request_rate_req_s=scalar(len(streams) / out["wall_b"], "req/s", method="(b) requests / wall s"),
+        stream_output_tok_s=scalar(sum(s["tokens"] for s in streams) / out["wall_b"], "tok/s", method="(b)"),
+        ttft_s=samples([s["ttft_s"] for s in streams], "s", method="send to first token chunk, client"),
+        e2el_s=samples([s["e2el_s"] for s in streams], "s", method="send to end of stream, client"),
+        cancel_counter_before=scalar(out["cancel"]["counter_before"], "count"),
+        cancel_counter_after=scalar(out["cancel"]["counter_after"], "count"),
+        cancel_idle_s=scalar(out["cancel"]["idle_s"], "s", method="client drop to cancel counted and engine idle"),
+        prompt_tokens=scalar(len(ids), "tok"),
+        new_tokens=scalar(exp.max_tokens, "tok"),
+    )
+    optional = {
+        "bare_phase_tok_s": (base["phase"], "tok/s", {"formula": "(N-1)/decode_s, engine timers"}),
+        "served_read_s": ([r["read_s"] for r in rows], "s", {"method": "engine timer, response's decodebench field"}),
+        "served_decode_s": ([r["decode_s"] for r in rows], "s", {"method": "engine timer"}),
+        "served_engine_tok_s": ([r["engine_tok_s"] for r in rows], "tok/s", {"formula": "(tokens-1)/decode_s"}),
+        "tpot_s": ([s["tpot_s"] for s in streams], "s", {"formula": "(E2EL-TTFT)/(tokens-1)"}),
+        "client_tok_s": ([s["client_tok_s"] for s in streams], "tok/s", {"formula": "(tokens-1)/(E2EL-TTFT)"}),
+    }
+    if gaps:  # one-chunk streams have no gaps
+        m["itl_s"] = samples(gaps, "s", method="gaps between consecutive token chunks", **percentiles(gaps))
+    for name, (values, unit, extra) in optional.items():
+        kept = [v for v in values if v is not None]
+        if kept:  # an engine that cannot split a call has no engine timers
+            m[name] = samples(kept, unit, **extra)
+    for name, numerator in (("served_over_bare", "served_engine_tok_s"), ("client_over_bare", "client_tok_s")):
+        if numerator in m:
+            ratio = m[numerator].central / bare_rate
+            m[name] = scalar(ratio, "x", formula=f"median {numerator} / median bare_decode_tok_s")
+    result.samples.update({name: list(v.values) for name, v in m.items() if hasattr(v, "values")})
+    result.outputs.update(
+        prompt_ids=ids,
+        read_every=read_every,
+        requests=rows,
+        streams=[{k: v for k, v in s.items() if k != "itl_s"} for s in streams],
+        cancel=out["cancel"],
+        server_records=[r.to_json() for r in worker.records],
+        engine_info=served.info,
+        screenshot=out["screenshot"],
+        warm="one bare warm-up call and one request through the server before anything is counted",
+    )
+    result.timers.update(
+        bare_decode_tok_s="(N-1)/(warm_n_s - warm_1_s) at the server's read_every, device.sync() around each call",
+        served_engine_tok_s="(engine tokens - 1)/decode_s, the engine's own timer inside the server",
+        ttft_s="client: create() to the first token chunk's arrival",
+        itl_s="client: arrival gaps between consecutive token chunks",
+        e2el_s="client: create() to the end of the stream",
+    )
+    return result
