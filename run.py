@@ -17,6 +17,8 @@ from runner import is_multirun, register_configs, run_cell
 register_configs()
 transformers_logging.disable_progress_bar()  # one line per cell: no per-cell "Loading weights" bar
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # not its search for a TPU on every machine
+for client_log in ("httpx", "httpx2"):  # experiment=serve: not a line per request of the openai client
+    logging.getLogger(client_log).setLevel(logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
