@@ -17,10 +17,10 @@ RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RU
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust])"
+	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,cluster])"
 	@$(BIN)/pip install -qq --upgrade pip
 	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
-	@$(BIN)/pip install -qq -e ".[dev,rust]"
+	@$(BIN)/pip install -qq -e ".[dev,rust,cluster]"
 	@touch $(STAMP)
 
 # The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates

@@ -20,9 +20,10 @@ from typing import Any
 import jsonschema
 
 SCHEMA_VERSION = "1.0"
+BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's file has no kind
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
 # Settings that say where and how evidence is kept, not what was measured.
-NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir")
+NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host")
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,19 @@ def read(path: Path) -> dict[str, Any]:
 
 
 def finished_ok(path: Path) -> bool:
-    """True when ``path`` holds a readable evidence file whose status is ok (the resume rule)."""
+    """True when ``path`` holds a readable evidence file whose status is ok."""
     try:
         return read(path).get("status") == "ok"
     except (OSError, ValueError):
         return False
+
+
+def cell_files(sweep_dir: Path, cell: str) -> list[Path]:
+    """Every evidence file of one cell in a sweep folder: ``<sweep>/<cell>.json`` (one machine) and
+    ``<sweep>/<host>/<cell>.json`` (a folder per host, ``host=auto``)."""
+    return sorted(p for p in (sweep_dir / f"{cell}.json", *sweep_dir.glob(f"*/{cell}.json")) if p.is_file())
+
+
+def cell_ok(sweep_dir: Path, cell: str) -> bool:
+    """The resume rule: some machine already finished this cell ok in this sweep."""
+    return any(finished_ok(p) for p in cell_files(sweep_dir, cell))
