@@ -22,6 +22,7 @@ import jsonschema
 SCHEMA_VERSION = "1.0"
 BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's file has no kind
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
+BOOT_SCHEMA_PATH = SCHEMA_PATH.with_name("boot.schema.json")
 # Settings that say where and how evidence is kept, not what was measured.
 NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host")
 
@@ -156,13 +157,15 @@ def cell_name(config: dict[str, Any]) -> str:
     )
 
 
-def load_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text())
+def load_schema(kind: str | None = None) -> dict[str, Any]:
+    """The schema of a cell's file (``kind`` None) or of a boot stage's (``kind="boot"``)."""
+    return json.loads((BOOT_SCHEMA_PATH if kind == BOOT else SCHEMA_PATH).read_text())
 
 
 def validate(record: dict[str, Any], schema: dict[str, Any] | None = None) -> None:
-    """Raises jsonschema.ValidationError when the record does not follow the schema."""
-    jsonschema.validate(record, schema or load_schema(), cls=jsonschema.Draft202012Validator)
+    """Raises jsonschema.ValidationError when the record does not follow its kind's schema."""
+    kind = record.get("kind") if isinstance(record, dict) else None
+    jsonschema.validate(record, schema or load_schema(kind), cls=jsonschema.Draft202012Validator)
 
 
 def write_atomic(path: Path, record: dict[str, Any]) -> None:
