@@ -9,7 +9,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 collect tpu-vm-dry-run device-check
+.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -58,16 +58,6 @@ bench-int4: setup
 collect: setup
 	@test -n "$(FROM)" || { echo "make collect FROM=<folder or mounted bucket>"; exit 2; }
 	$(BIN)/python -m scripts.collect "$(FROM)"
-
-# The TPU VM's startup script on this machine, for real except the cloud commands (printed): a fresh venv
-# with the pinned packages installed for real (minutes; tests/test_tpu_vm.py layers it on .venv instead),
-# the Rust build, a smoke cell, a sweep on model=tiny; boot evidence under .cache/tpu-vm-dry-run/.
-tpu-vm-dry-run: setup
-	DECODEBENCH_DRY_RUN=1 DECODEBENCH_WORK=$(CURDIR)/.cache/tpu-vm-dry-run DECODEBENCH_CODE=$(CURDIR) \
-	DECODEBENCH_PYTHON=$${DECODEBENCH_PYTHON:-$$($(BIN)/python -c 'import sys; print(sys._base_executable)')} \
-	DECODEBENCH_META_DECODEBENCH_SWEEP="-m engine=generate,ring model=tiny max_new_tokens=8 repeats=1" \
-	DECODEBENCH_META_DECODEBENCH_SWEEP_NAME=tpu-vm-dry-run DECODEBENCH_META_DECODEBENCH_BUCKET=gs://dry-run/decodebench \
-	bash scripts/tpu_vm/startup.sh
 
 # An accelerator's figures in one command (scripts/device_check.sh): set-up, parity on model=tiny, every
 # engine's decode on model=e2b-synthetic, evidence and report in one folder.

@@ -104,3 +104,14 @@ def test_a_copy_under_the_evidence_folder_is_read_once(cell_file, tmp_path):
 def test_the_command_line_refuses_a_missing_folder(tmp_path, capsys):
     assert main([str(tmp_path / "nowhere")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_host_puts_evidence_in_a_folder_per_machine_and_resume_looks_in_all(cell_cfg, tiny, tmp_path):
+    cell = ("engine=generate", "experiment=decode", "max_new_tokens=4", "repeats=1")
+    record = run_cell(cell_cfg(*cell, "host=vm-a"))
+    assert record["status"] == "ok"
+    (path,) = (tmp_path / "runs" / "test" / "vm-a").glob("*.json")
+    assert path.stem == record["cell"] and record["environment"]["host"]
+    assert run_cell(cell_cfg(*cell, "host=vm-b", "resume=true")) is None  # vm-a already finished it
+    assert run_cell(cell_cfg(*cell, "resume=true")) is None
+    assert run_cell(cell_cfg(*cell, "host=../up"))["reason"].startswith("host='../up' is not a folder name")
