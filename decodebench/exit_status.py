@@ -1,6 +1,8 @@
-"""``python -m decodebench.exit_status STATUS.json CMD...``: runs a cell's process as a child, waits
+"""``python -m decodebench.exit_status STATUS.json ENV CMD...``: runs a cell's process as a child, waits
 for it, and writes how it ended (``{"returncode": n}``, negative: the signal that killed it) to
-``STATUS.json``; then exits the same way.
+``STATUS.json``; then exits the same way. ``ENV`` is a JSON object of environment variables to give the
+child (null: unset): the sweep's own ``CUDA_VISIBLE_DEVICES``, which submitit's local executor
+replaces with the GPUs it was asked for (none by default).
 
 Submitit's local controller runs each job's command and drops its exit status; the isolated launcher
 (``hydra_plugins/decodebench_launcher/isolated.py``) gives this module as submitit's ``python``
@@ -30,9 +32,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run(status: Path, command: list[str]) -> int:
-    """Runs ``command``, records its return code in ``status`` (atomically) and returns it."""
-    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+def run(status: Path, command: list[str], env: dict[str, str | None] | None = None) -> int:
+    """Runs ``command`` (with ``env``'s variables set, or unset where None), records its return code in
+    ``status`` (atomically) and returns it."""
+    environ = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    child = subprocess.Popen(command, env=environ, preexec_fn=_die_with_parent)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     returncode = child.wait()
@@ -67,10 +76,10 @@ def describe(returncode: int | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
+    if len(argv) < 3:
         print(__doc__.splitlines()[0], file=sys.stderr)
         return 2
-    returncode = run(Path(argv[0]), [sys.executable, *argv[1:]])
+    returncode = run(Path(argv[0]), [sys.executable, *argv[2:]], json.loads(argv[1]))
     if returncode < 0:  # die the way the child died, so a waiting controller sees the same
         signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)

@@ -25,6 +25,7 @@ def sweep(cache_dir: Path, evidence_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "run.py", *args, f"evidence_dir={evidence_dir}", *extra],
         cwd=REPO,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "7"},  # the cells must see the sweep's GPUs, not submitit's none
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -52,8 +53,10 @@ def test_a_killed_cell_is_failed_evidence_and_resume_reruns_only_it(cache_dir, t
     while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pid_file.exists(), proc.communicate()
-    pid = int(pid_file.read_text())
+    seen = json.loads(pid_file.read_text())
+    pid = seen["pid"]
     assert pid not in (proc.pid, os.getpid())  # the cell runs in a process of its own
+    assert seen["cuda_visible_devices"] == "7"
     os.kill(pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -77,13 +80,16 @@ def test_a_killed_cell_is_failed_evidence_and_resume_reruns_only_it(cache_dir, t
     }
 
 
-def test_the_exit_status_wrapper_records_how_its_child_ended(tmp_path):
+def test_the_exit_status_wrapper_records_how_its_child_ended(tmp_path, monkeypatch):
     status = tmp_path / "status.json"
     assert exit_status.run(status, [sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
     assert exit_status.read(status) == 3
     killer = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     assert exit_status.run(status, [sys.executable, "-c", killer]) == -9
     assert "killed by SIGKILL (signal 9)" in exit_status.describe(exit_status.read(status))
+    monkeypatch.setenv("Y", "set in the parent")
+    sees_x = "import os, sys; sys.exit(0 if os.environ.get('X') == '1' and 'Y' not in os.environ else 4)"
+    assert exit_status.run(status, [sys.executable, "-c", sees_x], {"X": "1", "Y": None}) == 0
     assert "exited with status 3" in exit_status.describe(3)
     assert exit_status.read(tmp_path / "missing.json") is None
 

@@ -13,6 +13,8 @@ process is started for them).
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 import shlex
 import sys
@@ -28,6 +30,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from decodebench import exit_status
 
+# What the sweep's process has that submitit's local executor replaces in a job's: the GPUs it may use.
+KEEP_ENV = ("CUDA_VISIBLE_DEVICES",)
 # submitit's own log lines in a job's output (its format, or Hydra's once the job has set up logging)
 SUBMITIT_LINE = re.compile(r"^(submitit [A-Z]+ \(|\[[^]]*\]\[submitit\]\[)")
 
@@ -58,7 +62,10 @@ class IsolatedLauncher(LocalLauncher):
         if path is not None and resumed(cfg, path):
             return done
         status = Path(str(self.config.hydra.sweep.dir)) / ".exit_status" / f"{idx}.json"
-        python = f"{shlex.quote(sys.executable)} -m decodebench.exit_status {shlex.quote(str(status))}"
+        keep = json.dumps({name: os.environ.get(name) for name in KEEP_ENV})
+        python = (
+            f"{shlex.quote(sys.executable)} -m decodebench.exit_status {shlex.quote(str(status))} {shlex.quote(keep)}"
+        )
         executor = submitit.AutoExecutor(folder=self.params["submitit_folder"], cluster="local", local_python=python)
         executor.update_parameters(**executor_parameters(self.params))
         before = stamp(path)
