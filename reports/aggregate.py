@@ -300,6 +300,7 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "n": len(values),
                 "phase_median": statistics.median(phase) if phase else None,
                 "files": list(group.file),
+                "sweeps": sorted(set(group.sweep)),
                 "first_call_s": statistics.median(group.first_call_s),
                 "load_s": statistics.median(group.load_s),
                 "weight_bytes": last.weight_bytes,
