@@ -9,7 +9,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 serve
+.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -17,10 +17,10 @@ RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RU
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax,serve])"
+	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax,cluster,serve])"
 	@$(BIN)/pip install -qq --upgrade pip
 	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
-	@$(BIN)/pip install -qq -e ".[dev,rust,jax,serve]"
+	@$(BIN)/pip install -qq -e ".[dev,rust,jax,cluster,serve]"
 	@touch $(STAMP)
 
 # The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates
@@ -69,6 +69,16 @@ bench-int4: setup
 SERVE_ARGS ?= engine=ring model=tiny
 serve: setup
 	$(BIN)/python -m decodebench.serve $(SERVE_ARGS)
+
+# Evidence from other machines (a shared folder, a mounted bucket) merged into evidence/runs/.
+collect: setup
+	@test -n "$(FROM)" || { echo "make collect FROM=<folder or mounted bucket>"; exit 2; }
+	$(BIN)/python -m scripts.collect "$(FROM)"
+
+# An accelerator's figures in one command (scripts/device_check.sh): set-up, parity on model=tiny, every
+# engine's decode on model=e2b-synthetic, evidence and report in one folder.
+device-check:
+	bash scripts/device_check.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -15,14 +15,14 @@ from transformers.utils import logging as transformers_logging
 from runner import is_multirun, register_configs, run_cell
 
 register_configs()
-transformers_logging.disable_progress_bar()  # one line per cell: no per-cell "Loading weights" bar
-logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # not its search for a TPU on every machine
-for client_log in ("httpx", "httpx2"):  # experiment=serve: not a line per request of the openai client
-    logging.getLogger(client_log).setLevel(logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    transformers_logging.disable_progress_bar()  # one line per cell, in whichever process runs it
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # not its search for a TPU everywhere
+    for client_log in ("httpx", "httpx2"):  # experiment=serve: not a line per request of the openai client
+        logging.getLogger(client_log).setLevel(logging.WARNING)
     record = run_cell(cfg)
     if record is not None and record["status"] == "failed" and not is_multirun():
         sys.exit(1)

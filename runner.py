@@ -12,20 +12,21 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from decodebench import evidence, hardware
 from decodebench.checkpoint import CheckpointError
-from decodebench.config import ConfigError, validate, validate_sweep
+from decodebench.config import ConfigError, host_folder, validate, validate_sweep, validate_sweep_engines
 from decodebench.config import register_configs as register_core
-from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device
+from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device, tpu_present
 from decodebench.environment import capture
 from engines import engine_class
 from engines import register_configs as register_engines
 from engines.base import EngineContext, EngineLimit
-from experiments import EXPERIMENTS, Experiment
+from experiments import EXPERIMENTS
 from experiments import register_configs as register_experiments
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
@@ -41,27 +42,28 @@ def register_configs() -> None:
     register_experiments(cs)
 
 
-def evidence_path(cfg: DictConfig, config: dict[str, Any], experiment: Experiment | None = None) -> Path:
-    """``evidence_dir/<sweep>/<cell>.json``; the cell is named by the axes its experiment uses."""
-    uses = {"engine": experiment.engine, "model": experiment.model} if experiment else {}
-    return Path(cfg.evidence_dir) / str(cfg.sweep) / f"{evidence.cell_name(config, **uses)}.json"
-
-
-def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
-    """Runs the cell and writes its evidence file; returns the record (None when resumed past)."""
-    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    try:
-        validate_sweep(str(cfg.sweep))
-    except ConfigError as exc:  # no safe folder to write this cell's evidence into
-        print(f"[failed] nothing written: {exc}", file=sys.stderr, flush=True)
-        return {"status": "failed", "reason": str(exc)}
+def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
+    """``evidence_dir/<sweep>/<cell>.json``, or ``evidence_dir/<sweep>/<host>/<cell>.json`` with ``host`` set;
+    the cell is named by the axes its experiment uses. Raises ConfigError when the sweep or host is not a
+    folder name."""
+    validate_sweep(str(cfg.sweep))
+    sweep_dir = Path(cfg.evidence_dir) / str(cfg.sweep)
+    host = host_folder(cfg.host)
     experiment = EXPERIMENTS.get(cfg.experiment.name)
-    path = evidence_path(cfg, config, experiment)
-    if cfg.resume and evidence.finished_ok(path):
-        print(f"[resumed] {path}: already ok", flush=True)
-        return None
+    uses = {"engine": experiment.engine, "model": experiment.model} if experiment else {}
+    return (sweep_dir / host if host else sweep_dir) / f"{evidence.cell_name(config, **uses)}.json"
+
+
+def sweep_dir(path: Path, cfg: DictConfig) -> Path:
+    """The sweep folder an evidence path lies in (above its host folder, if any)."""
+    return path.parent.parent if cfg.host else path.parent
+
+
+def new_record(cfg: DictConfig, config: dict[str, Any], path: Path) -> evidence.Record:
+    """A cell's record before it runs: what is to run, and on which machine (status failed until it ends)."""
+    experiment = EXPERIMENTS.get(cfg.experiment.name)
     reads_model = experiment is None or experiment.model
-    record = evidence.Record(
+    return evidence.Record(
         cell=path.stem,
         sweep=str(cfg.sweep),
         config=config,
@@ -71,8 +73,40 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         if reads_model
         else {"synthetic": False, "kind": "none"},
     )
+
+
+def resumed(cfg: DictConfig, path: Path) -> bool:
+    """With ``resume=true``: True (and says so) when some machine already finished this cell ok."""
+    if cfg.resume and evidence.cell_ok(sweep_dir(path, cfg), path.stem):
+        print(f"[resumed] {path}: already ok", flush=True)
+        return True
+    return False
+
+
+def write(record: evidence.Record, path: Path) -> dict[str, Any]:
+    """Validates and writes a cell's evidence, and prints its one line."""
+    data = record.to_json()
+    evidence.validate(data)
+    evidence.write_atomic(path, data)
+    stream = sys.stdout if record.status != "failed" else sys.stderr
+    print(f"[{record.status}] {path}: {_headline(record)}", file=stream, flush=True)
+    return data
+
+
+def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
+    """Runs the cell and writes its evidence file; returns the record (None when resumed past)."""
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    try:
+        path = evidence_path(cfg, config)
+    except ConfigError as exc:  # no safe folder to write this cell's evidence into
+        print(f"[failed] nothing written: {exc}", file=sys.stderr, flush=True)
+        return {"status": "failed", "reason": str(exc)}
+    if resumed(cfg, path):
+        return None
+    record = new_record(cfg, config, path)
     try:
         validate(cfg)
+        experiment = EXPERIMENTS.get(cfg.experiment.name)
         if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
         engine_cls = engine_class(cfg.engine.name) if experiment.engine else None
@@ -111,12 +145,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     except Exception as exc:  # a crash is evidence too; the sweep goes on
         record.status, record.reason = "failed", f"{type(exc).__name__}: {exc}"
         record.traceback = traceback.format_exc()
-    data = record.to_json()
-    evidence.validate(data)
-    evidence.write_atomic(path, data)
-    stream = sys.stdout if record.status != "failed" else sys.stderr
-    print(f"[{record.status}] {path}: {_headline(record)}", file=stream, flush=True)
-    return data
+    return write(record, path)
 
 
 def keep(record: evidence.Record, result: Result) -> None:
@@ -169,14 +198,17 @@ def is_multirun() -> bool:
 
 
 def summarise(folder: Path) -> str:
-    """A sweep folder's cells counted by status, then every cell that is not ok with its reason."""
+    """A sweep folder's cells (host folders included) counted by status, then every cell that is not ok
+    with its reason."""
     counts: dict[str, int] = {}
     lines = []
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(folder.rglob("*.json")):
         try:
             record = evidence.read(path)
         except (OSError, ValueError) as exc:
             record = {"status": "unreadable", "reason": str(exc)}
+        if record.get("kind") == evidence.BOOT:
+            continue
         counts[record["status"]] = counts.get(record["status"], 0) + 1
         if record["status"] != "ok":
             lines.append(f"  {record['status']:8s} {path}: {str(record['reason']).splitlines()[0]}")
@@ -184,9 +216,33 @@ def summarise(folder: Path) -> str:
     return "\n".join([f"sweep {folder}: {total}", *lines])
 
 
+def swept_engines(config: DictConfig) -> list[str]:
+    """The engines a multirun's command line sweeps over (the composed one when ``engine`` is not swept)."""
+    engines = [str(config.engine.name)]
+    for override in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
+        if override.key_or_group == "engine":
+            engines = (
+                [str(v) for v in override.sweep_string_iterator()]
+                if override.is_sweep_override()
+                else [str(override.value())]
+            )
+    return engines
+
+
 class SweepSummary(Callback):
-    """After a multirun: the sweep folder's counts and every cell that is not ok, so a failure in the
-    middle is not lost in the log."""
+    """Before a multirun: refuses a sweep whose cells cannot share a process under the chosen launcher.
+    After it: the sweep folder's counts and every cell that is not ok, so a failure in the middle is not
+    lost in the log."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        kind = str(config.device.kind)
+        if kind == "auto":
+            kind = "tpu" if tpu_present() else "other"
+        try:
+            validate_sweep_engines(swept_engines(config), kind, config.hydra.runtime.choices["hydra/launcher"])
+        except ConfigError as exc:  # Hydra turns a callback's exception into a warning: stop here instead
+            print(f"[refused] {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from exc
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         print("\n" + summarise(Path(config.evidence_dir) / str(config.sweep)), flush=True)

@@ -11,6 +11,7 @@ is loaded.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -379,6 +380,9 @@ class RunConfig:
     prompt: str = DEFAULT_PROMPT
     chat_template: bool = True
     sweep: str = "${now:%Y-%m-%d}"
+    # null: evidence_dir/<sweep>/<cell>.json; a name, or auto (this machine's host name, read where the
+    # cell runs): evidence_dir/<sweep>/<host>/<cell>.json, so machines sharing a folder or bucket never collide
+    host: str | None = None
     resume: bool = False
     evidence_dir: str = "evidence/runs"
     cache_dir: str = ".cache"
@@ -414,12 +418,44 @@ POSITIVE_SHAPE_FIELDS = tuple(f for f in SHAPE_FIELDS if f not in NOT_COUNTS)
 HARDWARE_NUMBERS = ("price_usd_per_hour", "memory_gb", "memory_bandwidth_gb_s", "peak_bf16_tflops")
 
 
+def validate_folder(key: str, name: str, where: str) -> None:
+    """``name`` (the value of ``key``) is one folder name, never a path."""
+    if not SWEEP_NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(
+            f"{key}={name!r} is not a folder name: use letters, digits, '.', '_' and '-' "
+            f"(no '/', no '..', not starting with '.'); evidence goes to {where}"
+        )
+
+
 def validate_sweep(sweep: str) -> None:
     """A sweep name is one folder name under ``evidence_dir``, never a path."""
-    if not SWEEP_NAME.fullmatch(sweep) or ".." in sweep:
+    validate_folder("sweep", sweep, "evidence_dir/<sweep>/")
+
+
+def host_folder(host: str | None) -> str | None:
+    """The folder a cell's evidence goes into below its sweep: none (``host`` null), this machine's
+    host name (``auto``, read where the cell runs) or the name given."""
+    if host is None:
+        return None
+    name = socket.gethostname() if host == "auto" else host
+    validate_folder("host", name, "evidence_dir/<sweep>/<host>/")
+    return name
+
+
+# JAX and PyTorch each hold a TPU for their process: cells of both frameworks need a process each.
+OWN_PROCESS_ENGINES = ("jax",)
+
+
+def validate_sweep_engines(engines: list[str], device_kind: str, launcher: str) -> None:
+    """A sweep that mixes JAX and PyTorch engines on a TPU cannot run its cells in one process (the
+    first framework to open the chip keeps it): it needs a fresh process per cell."""
+    jax = sorted(set(engines) & set(OWN_PROCESS_ENGINES))
+    torch_engines = sorted(set(engines) - set(OWN_PROCESS_ENGINES))
+    if device_kind == "tpu" and launcher == "basic" and jax and torch_engines:
         raise ConfigError(
-            f"sweep={sweep!r} is not a folder name: use letters, digits, '.', '_' and '-' "
-            "(no '/', no '..', not starting with '.'); evidence goes to evidence_dir/<sweep>/"
+            f"engine={','.join(engines)} on a TPU mixes JAX ({', '.join(jax)}) with PyTorch engines "
+            f"({', '.join(torch_engines)}): the first framework to open the chip holds it for the whole process, "
+            "so these cells cannot share one; add hydra/launcher=isolated (a fresh process per cell)"
         )
 
 
@@ -449,6 +485,7 @@ def validate_synthetic_shape(model: Any) -> None:
 def validate(cfg: Any) -> None:
     """Checks that need no model: raises ConfigError with every offending value named."""
     validate_sweep(str(cfg.sweep))
+    host_folder(cfg.host)
     for name in HARDWARE_NUMBERS:
         value = getattr(cfg.hardware, name, None)
         if value is not None and value <= 0:

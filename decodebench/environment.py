@@ -1,4 +1,4 @@
-"""What a run ran on: library versions, device, CPU, git state and time, for every evidence file."""
+"""What a run ran on: host, library versions, device, CPU, git state and time, for every evidence file."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -56,6 +57,7 @@ def capture(device: Device | None) -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "python": sys.version.split()[0],
+        "host": socket.gethostname(),
         "platform": platform.platform(),
         "packages": {p: _version(p) for p in PACKAGES},
         "rustc": _rustc(),

@@ -20,9 +20,11 @@ from typing import Any
 import jsonschema
 
 SCHEMA_VERSION = "1.0"
+BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's file has no kind
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
+BOOT_SCHEMA_PATH = SCHEMA_PATH.with_name("boot.schema.json")
 # Settings that say where and how evidence is kept (or where a server listens), not what was measured.
-NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "serve")
+NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host", "serve")
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,15 @@ def cell_name(config: dict[str, Any], *, engine: bool = True, model: bool = True
     return "-".join(a for a in axes if a)
 
 
-def load_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text())
+def load_schema(kind: str | None = None) -> dict[str, Any]:
+    """The schema of a cell's file (``kind`` None) or of a boot stage's (``kind="boot"``)."""
+    return json.loads((BOOT_SCHEMA_PATH if kind == BOOT else SCHEMA_PATH).read_text())
 
 
 def validate(record: dict[str, Any], schema: dict[str, Any] | None = None) -> None:
-    """Raises jsonschema.ValidationError when the record does not follow the schema."""
-    jsonschema.validate(record, schema or load_schema(), cls=jsonschema.Draft202012Validator)
+    """Raises jsonschema.ValidationError when the record does not follow its kind's schema."""
+    kind = record.get("kind") if isinstance(record, dict) else None
+    jsonschema.validate(record, schema or load_schema(kind), cls=jsonschema.Draft202012Validator)
 
 
 def write_atomic(path: Path, record: dict[str, Any]) -> None:
@@ -194,8 +198,19 @@ def read(path: Path) -> dict[str, Any]:
 
 
 def finished_ok(path: Path) -> bool:
-    """True when ``path`` holds a readable evidence file whose status is ok (the resume rule)."""
+    """True when ``path`` holds a readable evidence file whose status is ok."""
     try:
         return read(path).get("status") == "ok"
     except (OSError, ValueError):
         return False
+
+
+def cell_files(sweep_dir: Path, cell: str) -> list[Path]:
+    """Every evidence file of one cell in a sweep folder: ``<sweep>/<cell>.json`` (one machine) and
+    ``<sweep>/<host>/<cell>.json`` (a folder per host, ``host=auto``)."""
+    return sorted(p for p in (sweep_dir / f"{cell}.json", *sweep_dir.glob(f"*/{cell}.json")) if p.is_file())
+
+
+def cell_ok(sweep_dir: Path, cell: str) -> bool:
+    """The resume rule: some machine already finished this cell ok in this sweep."""
+    return any(finished_ok(p) for p in cell_files(sweep_dir, cell))

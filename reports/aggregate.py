@@ -5,6 +5,7 @@ A file that cannot be read or does not follow the schema is named in ``warnings`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -42,33 +43,120 @@ DECODE_COLUMNS = ["decode_median", "decode_min", "decode_max", "n", "phase_media
 
 @dataclass
 class Evidence:
-    """Every readable evidence record, flattened: one row per file, plus what was skipped and why."""
+    """Every readable evidence record, flattened: one row per cell file, one per boot stage, plus what
+    was skipped and why."""
 
     cells: pd.DataFrame
     records: dict[str, dict[str, Any]]
     warnings: list[str] = field(default_factory=list)
+    boot: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BOOT_COLUMNS))
+
+
+BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
+                "started_utc", "versions", "dry_run", "detail"]  # fmt: skip
 
 
 def load(folder: Path, root: Path) -> Evidence:
-    """Reads ``folder/**/*.json`` in name order; paths in the result are relative to ``root``."""
-    schema = evidence.load_schema()
-    rows, records, warnings = [], {}, []
+    """Reads ``folder/**/*.json`` in name order; paths in the result are relative to ``root``. A file with
+    the same bytes as one read before is the same evidence (a copy, e.g. collected twice) and is read once;
+    different files for the same cell of a sweep (two hosts ran it) are all kept and named in ``warnings``."""
+    schemas = {kind: evidence.load_schema(kind) for kind in (None, evidence.BOOT)}
+    rows, boot, records, warnings, seen = [], [], {}, [], set()
     for path in sorted(Path(folder).rglob("*.json")):
         rel = _display(path, root, Path(folder))
         try:
-            record = json.loads(path.read_text())
-            evidence.validate(record, schema)
+            data = path.read_bytes()
+            record = json.loads(data)
+            kind = record.get("kind") if isinstance(record, dict) else None
+            evidence.validate(record, schemas.get(kind, schemas[None]))
         except (OSError, ValueError) as exc:
             warnings.append(f"{rel}: unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
             continue
         except jsonschema.ValidationError as exc:
             where = "/".join(map(str, exc.absolute_path)) or "top level"
-            warnings.append(f"{rel}: does not follow evidence/schema.json at {where} ({exc.message[:160]})")
+            schema = evidence.BOOT_SCHEMA_PATH if kind == evidence.BOOT else evidence.SCHEMA_PATH
+            warnings.append(f"{rel}: does not follow evidence/{schema.name} at {where} ({exc.message[:160]})")
+            continue
+        digest = hashlib.sha256(data).digest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        if kind == evidence.BOOT:
+            boot.append({"file": rel, **{c: record.get(c) for c in BOOT_COLUMNS if c != "file"}})
             continue
         records[rel] = record
         rows.append(_row(rel, record))
     cells = pd.DataFrame(rows, columns=_COLUMNS)
-    return Evidence(cells=cells, records=records, warnings=warnings)
+    warnings += _same_cell_twice(cells)
+    boot_table = pd.DataFrame(boot, columns=BOOT_COLUMNS).sort_values(["sweep", "host", "index", "file"])
+    return Evidence(cells=cells, records=records, warnings=warnings, boot=boot_table)
+
+
+READY_SPAN = ("python", "smoke")  # the published boot's span: installing Python to a working engine
+
+
+def boot_runs(boot: pd.DataFrame) -> list[dict[str, Any]]:
+    """One entry per machine boot (sweep, host): its stages with the versions each one added or changed,
+    the whole boot's seconds, and the seconds from the start of ``python`` to the end of ``smoke`` (the
+    span the Rust article times: installing Python to serving), when both ran ok."""
+    runs = []
+    for (sweep, host), stages in boot.groupby(["sweep", "host"], sort=True):
+        stages = stages.sort_values("index").fillna({"reason": "", "detail": ""})
+        shown, before = [], {}
+        for versions in stages.versions:
+            changed = {k: v for k, v in versions.items() if v and before.get(k) != v}
+            shown.append(", ".join(v if v.startswith(k) else f"{k} {v}" for k, v in sorted(changed.items())))
+            before = versions
+        ok = stages[stages.status == "ok"].set_index("stage")
+        ready = None
+        if set(READY_SPAN) <= set(ok.index):
+            first, last = ok.loc[READY_SPAN[0]], ok.loc[READY_SPAN[1]]
+            ready = last.since_boot_s - (first.since_boot_s - first.seconds)
+        runs.append(
+            {
+                "sweep": sweep,
+                "host": host,
+                "dry_run": bool(stages.dry_run.any()),
+                "stages": stages.assign(shown_versions=shown),
+                "total_s": stages.since_boot_s.max(),
+                "ready_s": ready,
+                "failed": bool((stages.status != "ok").any()),
+            }
+        )
+    return runs
+
+
+def _same_cell_twice(cells: pd.DataFrame) -> list[str]:
+    """A warning for every cell of a sweep that has more than one (different) evidence file."""
+    out = []
+    for (sweep, cell), group in cells.groupby(["sweep", "cell"], sort=True):
+        if len(group) > 1:
+            hosts = ", ".join(sorted({h or "unrecorded" for h in group.host}))
+            files = ", ".join(f"`{f}`" for f in group.file)
+            out.append(f"sweep {sweep}: cell {cell} has {len(group)} different evidence files (hosts {hosts}): {files}")
+    return out
+
+
+def sweeps_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per sweep: the hosts its cells ran on (as their files say) and its cells by status."""
+    rows = []
+    for sweep, group in cells.groupby("sweep", sort=True):
+        hosts = sorted({h for h in group.host if h})
+        rows.append(
+            {
+                "sweep": sweep,
+                "hosts": len(hosts),
+                "host_names": ", ".join(hosts),
+                "unrecorded": int((group.host == "").sum()),
+                "cells": len(group),
+                "ok": int((group.status == "ok").sum()),
+                "skipped": int((group.status == "skipped").sum()),
+                "failed": int((group.status == "failed").sum()),
+            }
+        )
+    return pd.DataFrame(
+        rows, columns=["sweep", "hosts", "host_names", "unrecorded", "cells", "ok", "skipped", "failed"]
+    )
 
 
 def _display(path: Path, root: Path, folder: Path) -> str:
@@ -81,6 +169,8 @@ def _display(path: Path, root: Path, folder: Path) -> str:
 _COLUMNS = [
     "file",
     "sweep",
+    "cell",
+    "host",
     "status",
     "reason",
     *GROUP,
@@ -126,6 +216,8 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     return {
         "file": rel,
         "sweep": r.sweep,
+        "cell": r.cell,
+        "host": env.get("host") or "",
         "status": r.status,
         "reason": r.reason,
         "experiment": cfg["experiment"]["name"],
@@ -276,6 +368,7 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "n": len(values),
                 "phase_median": statistics.median(phase) if phase else None,
                 "files": list(group.file),
+                "sweeps": sorted(set(group.sweep)),
                 "first_call_s": statistics.median(group.first_call_s),
                 "load_s": statistics.median(group.load_s),
                 "weight_bytes": last.weight_bytes,

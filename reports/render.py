@@ -21,6 +21,7 @@ from reports import published as published_data
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+BOOT_METRICS = ("boot_s", "crate_build_s")  # published boot figures shown beside a measured boot timeline
 CHAT_PNG = "chat.png"  # the chat page's screenshot beside the report
 
 
@@ -83,7 +84,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     recomputed = arithmetic.published(pub.figures, pub.derived)
     arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
     arithmetic_out.write_text(arithmetic.render(measured, recomputed))
-    if not ev.records and not ev.warnings:
+    if not ev.records and not ev.warnings and ev.boot.empty:
         return Outputs(None, arithmetic_out, [])
 
     report.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +120,9 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
             ["device", "device_name", "cpu_model", "torch", "transformers", "git_sha"]
         ).sort_values(["device", "git_sha"]),
         synthetic=bool(cells.synthetic.any()),
+        sweeps=aggregate.sweeps_table(cells),
+        boot=aggregate.boot_runs(ev.boot),
+        published_boot=figures[figures.metric.isin(BOOT_METRICS)],
         warnings=ev.warnings,
         costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
         jax_gap={e.row[1]: e for e in measured if e.key.startswith("jax-vs-fastest-pytorch/")},

@@ -1,0 +1,30 @@
+"""Hydra callbacks a test adds to a sweep from the command line (``+hydra.callbacks.<name>._target_=...``);
+they run inside the process of each cell, and production code knows nothing of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+class WaitToBeKilled(Callback):
+    """In the cell of engine ``engine``: writes the cell's process id and its CUDA_VISIBLE_DEVICES to
+    ``pid_file`` (JSON) and waits for a test to kill it; after ``seconds`` the cell runs normally (so a
+    test that never kills it fails)."""
+
+    def __init__(self, engine: str, pid_file: str, seconds: float = 120.0) -> None:
+        self.engine, self.pid_file, self.seconds = engine, Path(pid_file), seconds
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.engine.name != self.engine:
+            return
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+        tmp.rename(self.pid_file)
+        time.sleep(self.seconds)
