@@ -35,10 +35,10 @@ GROUP = [
 
 
 DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
-DECODE_COLUMNS = ["decode_median", "decode_min", "decode_max", "n", "phase_median", "files", "first_call_s", "load_s",
-                  "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak", "memory_counter", "graphs",
-                  "graph_breaks", "prompt_tokens", "price_usd_per_hour", "bandwidth_gb_s", "bandwidth_source",
-                  "hardware", "weights", "linear_weights"]  # fmt: skip
+DECODE_COLUMNS = ["decode_median", "decode_min", "decode_max", "n", "phase_median", "files", "sweeps", "first_call_s",
+                  "load_s", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak", "memory_counter",
+                  "graphs", "graph_breaks", "prompt_tokens", "price_usd_per_hour", "bandwidth_gb_s",
+                  "bandwidth_source", "hardware", "weights", "linear_weights"]  # fmt: skip
 
 
 @dataclass
