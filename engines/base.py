@@ -29,6 +29,45 @@ CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a pa
 OnTokens = Callable[[list[int]], bool]  # a batch of new token ids on the host -> go on (False: stop after it)
 
 
+def decode_loop(
+    token: Any,
+    logits: Any,
+    step: Callable[[int, Any], tuple[Any, Any]],
+    max_new_tokens: int,
+    read_every: int,
+    to_host: Callable[[list[Any]], list[int]],
+    on_tokens: OnTokens | None = None,
+    return_logits: bool = False,
+) -> tuple[list[int], list[Any]]:
+    """The step-by-step engines' decode loop, whatever the framework: from the prompt read's first
+    ``token`` (on the device), ``step(i, token)`` makes each next one; tokens stay on the device and are
+    read to the host (``to_host``, a copy that waits) every ``read_every`` tokens, each batch handed to
+    ``on_tokens`` (a stream gets the first token alone at once; False stops after that batch).
+    Returns the host tokens and, with ``return_logits``, every step's device logits in order."""
+    pending, tokens, kept = [token], [], [logits] if return_logits else []
+    steps = max_new_tokens - 1
+    if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
+        tokens, pending = to_host([token]), []
+        steps = steps if on_tokens(list(tokens)) else 0
+    for i in range(steps):
+        token, logits = step(i, token)
+        pending.append(token)
+        if return_logits:
+            kept.append(logits)
+        if len(pending) >= read_every:  # the read-back: a device -> host copy that waits
+            batch = to_host(pending)
+            tokens += batch
+            pending = []
+            if on_tokens is not None and not on_tokens(batch):
+                break
+    if pending:
+        batch = to_host(pending)
+        tokens += batch
+        if on_tokens is not None:
+            on_tokens(batch)
+    return tokens, kept
+
+
 class EngineLimit(RuntimeError):
     """The engine cannot run this cell by design (recorded as ``skipped`` with this reason)."""
 

@@ -31,7 +31,7 @@ import torch
 from decodebench.checkpoint import text_state_dict
 from decodebench.config import JaxEngineConfig, StepMatmul, Weights
 from decodebench.device import Device
-from engines.base import Engine, Generation, OnTokens
+from engines.base import Engine, Generation, OnTokens, decode_loop
 from engines.ring import cache_layout
 
 
@@ -127,34 +127,29 @@ class JaxEngine(Engine):
     ) -> Generation:
         import jax
 
+        self.ctx.device.sync()
         start = time.perf_counter()
         self.reset()
         token, logits = self.prefill(prompt_ids)
         token.block_until_ready()
         first = time.perf_counter()
         position = jax.device_put(np.asarray([len(prompt_ids)], np.int32), self.ctx.device.jax_device)
-        pending, tokens, kept = [token], [], [logits] if return_logits else []
-        read_every = self.ctx.read_every or max_new_tokens
-        steps = max_new_tokens - 1
-        if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
-            tokens, pending = [int(jax.device_get(token)[0])], []
-            steps = steps if on_tokens(list(tokens)) else 0
-        for _ in range(steps):
+
+        def step(i: int, token: Any) -> tuple[Any, Any]:
+            nonlocal position
             token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
-            pending.append(token)
-            if return_logits:
-                kept.append(logits)
-            if len(pending) >= read_every:  # the read-back: device -> host, waits for the tokens
-                batch = [int(t[0]) for t in jax.device_get(pending)]
-                tokens += batch
-                pending = []
-                if on_tokens is not None and not on_tokens(batch):
-                    break
-        if pending:
-            batch = [int(t[0]) for t in jax.device_get(pending)]
-            tokens += batch
-            if on_tokens is not None:
-                on_tokens(batch)
+            return token, logits
+
+        tokens, kept = decode_loop(
+            token,
+            logits,
+            step,
+            max_new_tokens,
+            self.ctx.read_every or max_new_tokens,
+            lambda batch: [int(t[0]) for t in jax.device_get(batch)],
+            on_tokens,
+            return_logits,
+        )
         end = time.perf_counter()
         stacked = torch.from_numpy(np.stack(jax.device_get(kept)).astype(np.float32)) if return_logits else None
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)

@@ -23,7 +23,7 @@ from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import Tables, Weights
 from decodebench.device import Device
 from engines import int4
-from engines.base import Engine, Generation, OnTokens
+from engines.base import Engine, Generation, OnTokens, decode_loop
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -135,30 +135,24 @@ class SteppingEngine(Engine):
         sync()
         first = time.perf_counter()
         position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
-        pending, tokens, kept_logits = [token], [], [logits] if return_logits else []
-        read_every = self.ctx.read_every or max_new_tokens
-        steps = max_new_tokens - 1
-        if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
-            tokens, pending = token.view(-1).tolist(), []
-            steps = steps if on_tokens(list(tokens)) else 0
-        for i in range(steps):
+
+        def step(i: int, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal position
             self.before_step(len(prompt_ids) + i)
             token, logits = self.compiled_step(token, position)
             position = position + 1
-            pending.append(token)
-            if return_logits:
-                kept_logits.append(logits)
-            if len(pending) >= read_every:  # the read-back: a device -> host copy that waits
-                batch = torch.cat(pending).view(-1).tolist()
-                tokens += batch
-                pending = []
-                if on_tokens is not None and not on_tokens(batch):
-                    break
-        if pending:
-            batch = torch.cat(pending).view(-1).tolist()
-            tokens += batch
-            if on_tokens is not None:
-                on_tokens(batch)
+            return token, logits
+
+        tokens, kept_logits = decode_loop(
+            token,
+            logits,
+            step,
+            max_new_tokens,
+            self.ctx.read_every or max_new_tokens,
+            lambda batch: torch.cat(batch).view(-1).tolist(),
+            on_tokens,
+            return_logits,
+        )
         sync()
         end = time.perf_counter()
         stacked = torch.cat(kept_logits).float().cpu() if return_logits else None
