@@ -369,6 +369,14 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "phase_median": statistics.median(phase) if phase else None,
                 "files": list(group.file),
                 "sweeps": sorted(set(group.sweep)),
+                "by_sweep": {
+                    sweep: {
+                        "median": statistics.median([v for vs in cells.decode_values for v in vs]),
+                        "n": sum(len(vs) for vs in cells.decode_values),
+                        "files": list(cells.file),
+                    }
+                    for sweep, cells in group.groupby("sweep", sort=True)
+                },
                 "first_call_s": statistics.median(group.first_call_s),
                 "load_s": statistics.median(group.load_s),
                 "weight_bytes": last.weight_bytes,

@@ -89,6 +89,10 @@ def _rate_input(name: str, row: pd.Series) -> Input:
     return Input(name, row.decode_median, "tok/s", ", ".join(row.files), note=f"median of {row.n}")
 
 
+def _sweep_rate_input(name: str, run: dict[str, Any], sweep: str) -> Input:
+    return Input(name, run["median"], "tok/s", ", ".join(run["files"]), note=f"median of {run['n']}, sweep {sweep}")
+
+
 def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
     """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype."""
     entries = []
@@ -127,23 +131,26 @@ def jax_gap(decode: pd.DataFrame) -> list[Entry]:
     if decode.empty:
         return entries
     for _, group in decode[decode.read_every == 0].groupby(JAX_GAP_GROUP, sort=True):
+        torch_ways = group[~group.engine.isin(["jax", "rust"])]
         for _, peer in group[group.engine == "jax"].iterrows():
-            same_run = group.sweeps.apply(lambda sweeps, peer=peer: bool(set(sweeps) & set(peer.sweeps)))
-            torch_ways = group[~group.engine.isin(["jax", "rust"]) & same_run]
-            if torch_ways.empty:
+            shared = [s for s in peer.by_sweep if any(s in w for w in torch_ways.by_sweep)]
+            if not shared:
                 continue
-            fastest = torch_ways.loc[torch_ways.decode_median.idxmax()]
+            sweep = shared[-1]  # the newest shared run, by name: both medians from its files only
+            candidates = [w for _, w in torch_ways.iterrows() if sweep in w.by_sweep]
+            fastest = max(candidates, key=lambda w: w.by_sweep[sweep]["median"])
+            jax_run, torch_run = peer.by_sweep[sweep], fastest.by_sweep[sweep]
             entries.append(
                 Entry(
                     key=f"jax-vs-fastest-pytorch/{peer.key}",
                     what=f"JAX engine ({peer.linear_weights} weights) decode rate as a multiple of the fastest "
-                    f"PyTorch way ({fastest.engine}), same device, checkpoint, context and N, same sweep",
+                    f"PyTorch way ({fastest.engine}), same device, checkpoint, context and N, both from sweep {sweep}",
                     formula="jax_tok_s / fastest_pytorch_tok_s",
                     inputs=[
-                        _rate_input("jax_tok_s", peer),
-                        _rate_input(f"fastest_pytorch_tok_s ({fastest.engine})", fastest),
+                        _sweep_rate_input("jax_tok_s", jax_run, sweep),
+                        _sweep_rate_input(f"fastest_pytorch_tok_s ({fastest.engine})", torch_run, sweep),
                     ],
-                    result=peer.decode_median / fastest.decode_median,
+                    result=jax_run["median"] / torch_run["median"],
                     unit="x",
                     row=("jax", peer.key),
                 )
