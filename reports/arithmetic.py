@@ -96,7 +96,7 @@ def _sweep_rate_input(name: str, run: dict[str, Any], sweep: str) -> Input:
 def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
     """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype."""
     entries = []
-    same = ["model", "checkpoint", "device", "device_name", "context", "dtype", "new_tokens"]
+    same = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens"]
     for _, group in decode.groupby(same, sort=True):
         base = group[(group.engine == "generate") & (group.read_every == 0)]
         if base.empty:
@@ -119,7 +119,7 @@ def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
     return entries
 
 
-JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "new_tokens"]
+JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens"]
 JAX_GAP_PUBLISHED = ("jax_vs_best_torch_nb03", "jax_w4a16_vs_best_torch_nb03", "jax_vs_table4_nb04")
 
 
@@ -143,7 +143,7 @@ def jax_gap(decode: pd.DataFrame) -> list[Entry]:
             entries.append(
                 Entry(
                     key=f"jax-vs-fastest-pytorch/{peer.key}",
-                    what=f"JAX engine ({peer.linear_weights} weights) decode rate as a multiple of the fastest "
+                    what=f"JAX engine ({peer.weights} weights) decode rate as a multiple of the fastest "
                     f"PyTorch way ({fastest.engine}), same device, checkpoint, context and N, both from sweep {sweep}",
                     formula="jax_tok_s / fastest_pytorch_tok_s",
                     inputs=[
@@ -232,8 +232,8 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
         model = models.get(row.files[-1], {})
         if not model.get("layers") or row.bandwidth_gb_s is None:
             continue
-        position = int(row.prompt_tokens + row.new_tokens // 2)
-        int4 = row.linear_weights == "int4"
+        position = int(row.prompt_tokens + row.max_new_tokens // 2)
+        int4 = row.weights == "int4"
         weights, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[row["dtype"]], position, int4)
         per_token = weights + kv
         label = row.key

@@ -16,11 +16,19 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from reports import aggregate, arithmetic, article_tables, plots
+from reports import arithmetic, article_tables, plots
 from reports import published as published_data
+from reports.tables.bench import bench_table
+from reports.tables.boot import boot_runs
+from reports.tables.cells import load as load_evidence
+from reports.tables.decode import decode_table
+from reports.tables.recall import recall_table
+from reports.tables.serving import serve_table
+from reports.tables.sweeps import sweeps_table
 
 REPO = Path(__file__).resolve().parents[1]
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # the report's frame and its sections that are no one table's
+TABLES = Path(__file__).resolve().parent / "tables"  # each table's template beside its builder
 BOOT_METRICS = ("boot_s", "crate_build_s")  # published boot figures shown beside a measured boot timeline
 CHAT_PNG = "chat.png"  # the chat page's screenshot beside the report
 
@@ -76,9 +84,9 @@ def chat_screenshot(serving: Any, evidence_dir: Path, out: Path) -> dict[str, st
 def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs:
     """Renders both files (and the plots beside the report). With no evidence at all, only
     ``arithmetic.txt`` is written (the articles' figures recomputed, nothing measured) and the report is None."""
-    ev = aggregate.load(evidence_dir, REPO)
+    ev = load_evidence(evidence_dir, REPO)
     pub = published_data.load(published_dir)
-    decode = aggregate.decode_table(ev.cells)
+    decode = decode_table(ev.cells)
     models = {f: r["model"] for f, r in ev.records.items()}
     measured = arithmetic.measured(decode, models)
     recomputed = arithmetic.published(pub.figures, pub.derived)
@@ -94,7 +102,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         plots.memory(decode, report.parent / "memory.png"),
     ]
     env = Environment(
-        loader=FileSystemLoader(TEMPLATES),
+        loader=FileSystemLoader([TEMPLATES, TABLES]),
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -102,10 +110,10 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     )
     env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span)
     cells = ev.cells
-    recall = aggregate.recall_table(ev.records)
+    recall = recall_table(ev.records)
     too_long = recall.reason.fillna("").str.contains("does not fit context")
     figures = pub.all_figures()
-    serving = aggregate.serve_table(ev.records)
+    serving = serve_table(ev.records)
     text = env.get_template("REPORT.md.j2").render(
         serving=serving,
         serve_published=published_data.serving_row(figures),
@@ -120,8 +128,8 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
             ["device", "device_name", "cpu_model", "torch", "transformers", "git_sha"]
         ).sort_values(["device", "git_sha"]),
         synthetic=bool(cells.synthetic.any()),
-        sweeps=aggregate.sweeps_table(cells),
-        boot=aggregate.boot_runs(ev.boot),
+        sweeps=sweeps_table(cells),
+        boot=boot_runs(ev.boot),
         published_boot=figures[figures.metric.isin(BOOT_METRICS)],
         warnings=ev.warnings,
         costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
@@ -132,13 +140,13 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         articles=pub.articles,
         figures=figures,
         published_recall=published_data.recall_table(figures),
-        bench=aggregate.bench_table(evidence_dir.parent / "bench"),
+        bench=bench_table(evidence_dir.parent / "bench"),
         why=article_tables.build(ev.records, decode, pub),
         comparator=lambda row: published_data.comparator(
             figures,
             row.engine,
             int(row.context),
-            published_data.twin(row.weights),
+            published_data.twin(row.tables),
             wrappers_on="remove_wrappers=False" in row.engine_config,
         ),
         plots=[p for p in made if p],

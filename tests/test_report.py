@@ -14,7 +14,8 @@ import yaml
 from decodebench.checkpoint import layers_of_config, shape_of_config
 from decodebench.synthetic import shape_of, text_config
 from decodebench.synthetic_tokenizer import TURN_END
-from reports import aggregate, arithmetic, published, render
+from reports import arithmetic, published, render
+from reports.tables.bench import bench_table
 from runner import run_cell
 from tests.conftest import REPO, make_cfg
 
@@ -152,7 +153,7 @@ def row(**values) -> pd.Series:
         "context": 256,
         "dtype": "bfloat16",
         "read_every": 0,
-        "new_tokens": 64,
+        "max_new_tokens": 64,
         "decode_median": 50.0,
         "n": 2,
         "files": ["evidence/runs/x.json"],
@@ -162,7 +163,7 @@ def row(**values) -> pd.Series:
         "bandwidth_source": "facts file",
         "prompt_tokens": 19,
         "key": "m/k/tpu/ctx256/bfloat16/N=64/read_every=0",
-        "linear_weights": "dense",
+        "weights": "dense",
     }
     return pd.Series({**base, **values})
 
@@ -194,7 +195,7 @@ def test_bytes_per_token_matches_the_e2b_reference_figures():
 
 
 def test_roofline_fraction_by_hand():
-    decode = pd.DataFrame([row(decode_median=50.0, prompt_tokens=96, new_tokens=64)])
+    decode = pd.DataFrame([row(decode_median=50.0, prompt_tokens=96, max_new_tokens=64)])
     models = {"evidence/runs/x.json": e2b_model_block()}
     entries = {e.key.split("/")[0]: e for e in arithmetic.roofline(decode, models)}
     per_token = entries["bytes-per-token"].result
@@ -302,6 +303,6 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
 
     data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": [bench("dense", 2e-3), bench("int4", 1e-3)]}
     (tmp_path / "int4-linear.json").write_text(json.dumps(data))
-    table = aggregate.bench_table(tmp_path)
+    table = bench_table(tmp_path)
     assert list(table.linear) == ["1536x12288"] * 2
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])

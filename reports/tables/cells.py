@@ -1,0 +1,208 @@
+"""Evidence files into the cells table (one row per cell file) and the boot table (one row per boot
+stage), each file validated against its schema and read once; ``cells.md.j2`` renders the cells that
+did not run and ``parity.md.j2`` the parity columns of those that did.
+
+A file that cannot be read or does not follow the schema is named in ``warnings`` and skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pandas as pd
+
+from decodebench import evidence
+
+# The settings that make two cells the same measurement; cells sharing them pool their raw samples.
+GROUP = [
+    "experiment",
+    "engine",
+    "engine_config",
+    "model",
+    "checkpoint",
+    "synthetic",
+    "device",
+    "device_name",
+    "context",
+    "dtype",
+    "read_every",
+    "max_new_tokens",
+]
+
+BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
+                "started_utc", "versions", "dry_run", "detail"]  # fmt: skip
+
+
+@dataclass
+class Evidence:
+    """Every readable evidence record, flattened: one row per cell file, one per boot stage, plus what
+    was skipped and why."""
+
+    cells: pd.DataFrame
+    records: dict[str, dict[str, Any]]
+    warnings: list[str] = field(default_factory=list)
+    boot: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BOOT_COLUMNS))
+
+
+def load(folder: Path, root: Path) -> Evidence:
+    """Reads ``folder/**/*.json`` in name order; paths in the result are relative to ``root``. A file with
+    the same bytes as one read before is the same evidence (a copy, e.g. collected twice) and is read once;
+    different files for the same cell of a sweep (two hosts ran it) are all kept and named in ``warnings``."""
+    schemas = {kind: evidence.load_schema(kind) for kind in (None, evidence.BOOT)}
+    rows, boot, records, warnings, seen = [], [], {}, [], set()
+    for path in sorted(Path(folder).rglob("*.json")):
+        rel = _display(path, root, Path(folder))
+        try:
+            data = path.read_bytes()
+            record = json.loads(data)
+            kind = record.get("kind") if isinstance(record, dict) else None
+            evidence.validate(record, schemas.get(kind, schemas[None]))
+        except (OSError, ValueError) as exc:
+            warnings.append(f"{rel}: unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+            continue
+        except jsonschema.ValidationError as exc:
+            where = "/".join(map(str, exc.absolute_path)) or "top level"
+            schema = evidence.BOOT_SCHEMA_PATH if kind == evidence.BOOT else evidence.SCHEMA_PATH
+            warnings.append(f"{rel}: does not follow evidence/{schema.name} at {where} ({exc.message[:160]})")
+            continue
+        digest = hashlib.sha256(data).digest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        if kind == evidence.BOOT:
+            boot.append({"file": rel, **{c: record.get(c) for c in BOOT_COLUMNS if c != "file"}})
+            continue
+        records[rel] = record
+        rows.append(_row(rel, record))
+    cells = pd.DataFrame(rows, columns=_COLUMNS)
+    warnings += _same_cell_twice(cells)
+    boot_table = pd.DataFrame(boot, columns=BOOT_COLUMNS).sort_values(["sweep", "host", "index", "file"])
+    return Evidence(cells=cells, records=records, warnings=warnings, boot=boot_table)
+
+
+def _same_cell_twice(cells: pd.DataFrame) -> list[str]:
+    """A warning for every cell of a sweep that has more than one (different) evidence file."""
+    out = []
+    for (sweep, cell), group in cells.groupby(["sweep", "cell"], sort=True):
+        if len(group) > 1:
+            hosts = ", ".join(sorted({h or "unrecorded" for h in group.host}))
+            files = ", ".join(f"`{f}`" for f in group.file)
+            out.append(f"sweep {sweep}: cell {cell} has {len(group)} different evidence files (hosts {hosts}): {files}")
+    return out
+
+
+def _display(path: Path, root: Path, folder: Path) -> str:
+    """A path as the report cites it: relative to the repository, or to the evidence folder's parent."""
+    path = path.resolve()
+    base = root.resolve() if path.is_relative_to(root.resolve()) else folder.resolve().parent
+    return path.relative_to(base).as_posix()
+
+
+_COLUMNS = [
+    "file",
+    "sweep",
+    "cell",
+    "host",
+    "status",
+    "reason",
+    *GROUP,
+    "prompt_tokens",
+    "decode_values",
+    "phase_values",
+    "first_call_s",
+    "load_s",
+    "weight_bytes",
+    "cache_bytes",
+    "memory_after_load",
+    "memory_peak",
+    "memory_counter",
+    "graphs",
+    "graph_breaks",
+    "parity_tokens_equal",
+    "parity_first_difference",
+    "parity_kl_mean",
+    "parity_kl_max",
+    "parity_top5_same",
+    "parity_verdict",
+    "tables",
+    "weights",
+    "utc_time",
+    "cpu_model",
+    "torch",
+    "transformers",
+    "git_sha",
+    "git_dirty",
+    "price_usd_per_hour",
+    "bandwidth_gb_s",
+    "bandwidth_source",
+    "hardware",
+]
+
+
+def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
+    """One cell file as a row. ``weights``: how the engine holds its linears (``engine.weights``, dense or
+    int4); ``tables``: the checkpoint's own account of its weights (``model.tables_description``, or
+    ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
+    measurement's earlier name ``new_tokens`` the same way."""
+    r = evidence.Record.from_json(data)
+    cfg, env, hw = r.config, r.environment, r.hardware or {}
+    peak = r.memory_peak()
+    parity = r.outputs.get("prompt") if cfg["experiment"]["name"] == "parity" else None
+    parity = parity if isinstance(parity, dict) and parity.get("status") == "ok" else None
+    return {
+        "file": rel,
+        "sweep": r.sweep,
+        "cell": r.cell,
+        "host": env.get("host") or "",
+        "status": r.status,
+        "reason": r.reason,
+        "experiment": cfg["experiment"]["name"],
+        "engine": cfg["engine"]["name"],
+        "engine_config": " ".join(f"{k}={v}" for k, v in sorted(cfg["engine"].items()) if k != "name"),
+        "model": cfg["model"]["name"] if r.model.get("kind") != "none" else "none",
+        "checkpoint": r.model.get("key") or r.model.get("hub_id") or r.model.get("config_sha256_16") or "",
+        "synthetic": bool(r.model.get("synthetic")),
+        "device": env.get("device_kind") or cfg["device"]["kind"],
+        "device_name": env.get("device_name") or "",
+        "context": cfg["context"],
+        "dtype": cfg["dtype"],
+        "read_every": cfg.get("read_every", 0),
+        "prompt_tokens": r.value("prompt_tokens"),
+        "max_new_tokens": r.value("max_new_tokens" if "max_new_tokens" in r.measurements else "new_tokens"),
+        "decode_values": list(r.measurements["decode_tok_s"].values) if "decode_tok_s" in r.measurements else [],
+        "phase_values": list(r.measurements["decode_phase_tok_s"].values)
+        if "decode_phase_tok_s" in r.measurements
+        else [],
+        "first_call_s": r.value("first_call_s"),
+        "load_s": r.value("load_s"),
+        "weight_bytes": r.value("weight_bytes_from_shape"),
+        "cache_bytes": r.value("cache_bytes_from_shape"),
+        "memory_after_load": r.value("memory_after_load"),
+        "memory_peak": None if peak is None else peak.bytes,
+        "memory_counter": None if peak is None else peak.counter,
+        "graphs": r.engine.get("graphs"),
+        "graph_breaks": r.engine.get("graph_breaks"),
+        "parity_tokens_equal": None if parity is None else parity["tokens_equal"],
+        "parity_first_difference": None if parity is None else parity["first_difference"],
+        "parity_kl_mean": None if parity is None else parity["kl_mean"],
+        "parity_kl_max": None if parity is None else parity["kl_max"],
+        "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
+        "parity_verdict": r.outputs.get("verdict"),
+        "tables": r.model.get("tables_description", r.model.get("weights")),
+        "weights": cfg["engine"].get("weights", "dense"),
+        "utc_time": env.get("utc_time"),
+        "cpu_model": env.get("cpu_model"),
+        "torch": env.get("packages", {}).get("torch"),
+        "transformers": env.get("packages", {}).get("transformers"),
+        "git_sha": (env.get("git_sha") or "")[:12],
+        "git_dirty": env.get("git_dirty"),
+        "price_usd_per_hour": hw.get("price_usd_per_hour"),
+        "bandwidth_gb_s": hw.get("memory_bandwidth_gb_s"),
+        "bandwidth_source": hw.get("bandwidth_source"),
+        "hardware": hw.get("name"),
+    }
