@@ -65,10 +65,10 @@ bench-int4: setup
 	@mkdir -p evidence/bench
 	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
 
-# The OpenAI-compatible server over one engine (decodebench/serve.py); chat page at http://127.0.0.1:8000/
+# The OpenAI-compatible server over one engine (serve.py, serving/); chat page at http://127.0.0.1:8000/
 SERVE_ARGS ?= engine=ring model=tiny
 serve: setup
-	$(BIN)/python -m decodebench.serve $(SERVE_ARGS)
+	$(BIN)/python serve.py $(SERVE_ARGS)
 
 # Evidence from other machines (a shared folder, a mounted bucket) merged into evidence/runs/.
 collect: setup

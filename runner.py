@@ -3,13 +3,12 @@ end and writes its evidence, whatever happens; summarises a multirun from its sw
 
 from __future__ import annotations
 
-import gc
 import sys
 import traceback
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -19,13 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from decodebench import evidence, hardware
 from decodebench.checkpoint import CheckpointError
-from decodebench.config import ConfigError, host_folder, validate, validate_sweep, validate_sweep_engines
+from decodebench.config import ConfigError, RunConfig, host_folder, validate_sweep
 from decodebench.config import register_configs as register_core
 from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device, tpu_present
 from decodebench.environment import capture
-from engines import engine_class
+from engines import ENGINES, engine_class, takers
 from engines import register_configs as register_engines
-from engines.base import EngineContext, EngineLimit
+from engines.base import EngineLimit
+from engines.open import open_engine
 from experiments import EXPERIMENTS
 from experiments import register_configs as register_experiments
 from experiments.cell import Cell, MethodError
@@ -40,6 +40,39 @@ def register_configs() -> None:
     register_core(cs)
     register_engines(cs)
     register_experiments(cs)
+
+
+def typed_config(cfg: DictConfig) -> RunConfig:
+    """The composed config as typed objects (``OmegaConf.to_object``), each checking itself in its
+    ``__post_init__``. A key the engine's or experiment's config class does not declare (given once
+    beside a sweep of engines, or mistyped) is refused by name, never silently dropped."""
+    for group, takes in (("engine", takers), ("experiment", None)):
+        node = cfg[group]
+        declared = {f.name for f in fields(OmegaConf.get_type(node))}
+        unknown = sorted(set(node.keys()) - declared)
+        if unknown:
+            settings = ", ".join(f"{group}.{key}" for key in unknown)
+            who = "; ".join(f"{group}.{key} is a setting of {', '.join(takes(key)) or 'no engine'}"
+                            for key in unknown) if takes else ""  # fmt: skip
+            raise ConfigError(
+                f"{group} {node.name} has no setting {settings} (its settings: "
+                f"{', '.join(sorted(declared - {'name'})) or 'none'}){'; ' + who if who else ''}"
+            )
+    return OmegaConf.to_object(cfg)
+
+
+def validate_sweep_engines(engines: list[str], device_kind: str, launcher: str) -> None:
+    """A sweep that mixes JAX and PyTorch engines on a TPU cannot run its cells in one process (the
+    first framework to open the chip keeps it): it needs a fresh process per cell."""
+    frameworks = {name: ENGINES[name].framework for name in engines if name in ENGINES}
+    others = sorted(name for name, framework in frameworks.items() if framework != "torch")
+    torch_engines = sorted(name for name, framework in frameworks.items() if framework == "torch")
+    if device_kind == "tpu" and launcher == "basic" and others and torch_engines:
+        raise ConfigError(
+            f"engine={','.join(engines)} on a TPU mixes JAX ({', '.join(others)}) with PyTorch engines "
+            f"({', '.join(torch_engines)}): the first framework to open the chip holds it for the whole process, "
+            "so these cells cannot share one; add hydra/launcher=isolated (a fresh process per cell)"
+        )
 
 
 def evidence_path(cfg: DictConfig, config: dict[str, Any]) -> Path:
@@ -105,38 +138,25 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         return None
     record = new_record(cfg, config, path)
     try:
-        validate(cfg)
-        experiment = EXPERIMENTS.get(cfg.experiment.name)
+        run = typed_config(cfg)
+        experiment = EXPERIMENTS.get(run.experiment.name)
         if experiment is None:  # only reachable by overriding experiment.name
-            raise ConfigError(f"unknown experiment {cfg.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
-        engine_cls = engine_class(cfg.engine.name) if experiment.engine else None
-        device = resolve_device(cfg.device.kind, engine_cls.framework if engine_cls else "torch")
+            raise ConfigError(f"unknown experiment {run.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
+        engine_cls = engine_class(run.engine.name) if experiment.engine else None
+        device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
         record.environment = capture(device)
-        record.hardware = hardware.resolve(cfg.hardware, device, cfg.cache_dir, str(cfg.sweep))
-        reason = engine_cls.unsupported_reason(device, cfg) if engine_cls else None
-        if reason:
-            record.status, record.reason = "skipped", reason
-        elif engine_cls is None:
-            keep(record, experiment.run(Cell(cfg, device, None)))
+        record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
+        if engine_cls is None:
+            keep(record, experiment.run(Cell(run, device, None)))
         else:
-            engine = engine_cls(
-                EngineContext(
-                    cfg.engine,
-                    cfg.model,
-                    device,
-                    cfg.dtype.torch,
-                    cfg.context,
-                    cfg.cache_dir,
-                    cfg.read_every,
-                )
-            )
+            opened = open_engine(run, device)
+            record.model = {**record.model, **opened.checkpoint.provenance}
             try:
-                result = experiment.run(Cell(cfg, device, engine))
+                result = experiment.run(Cell(run, device, opened))
             finally:
-                if engine.checkpoint is not None:
-                    record.model = {**record.model, **engine.checkpoint.provenance}
-                record.engine = engine.describe()
-                release(engine)
+                if opened.engine is not None:
+                    record.engine = opened.engine.describe()
+                opened.close()
             keep(record, result)
     except (EngineLimit, DeviceHeld) as exc:  # cannot run here: skipped, with the reason
         record.status, record.reason = "skipped", str(exc)
@@ -156,41 +176,11 @@ def keep(record: evidence.Record, result: Result) -> None:
     record.outputs, record.timers = result.outputs, result.timers
 
 
-def release(engine: Any) -> None:
-    """Frees a finished cell's model and compiled programs, so the next cell of a sweep starts clean."""
-    engine.__dict__.clear()
-    torch._dynamo.reset()
-    gc.collect()
-
-
 def _headline(record: evidence.Record) -> str:
-    """The cell's one line: the reason, or its decode rate (or recall prompts, or parity verdict)."""
+    """The cell's one line: the reason, or what its experiment says of itself."""
     if record.status != "ok":
         return str(record.reason).splitlines()[0]
-    rate = record.measurements.get("decode_tok_s")
-    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
-    if rate:
-        return f"decode {rate.central:.2f} tok/s median of {len(rate.values)}{synthetic}"
-    if "recall" in record.outputs:
-        ran = [o for o in record.outputs["recall"] if o["status"] == "ok"]
-        rates = ", ".join(f"{o['prompt_tokens']} tok read at {o['read_tok_s']:.0f} tok/s" for o in ran)
-        return f"recall: {len(ran)} of {len(record.outputs['recall'])} prompts ran ({rates})"
-    if "cancel" in record.outputs:
-        served, bare = record.value("served_engine_tok_s"), record.value("bare_decode_tok_s")
-        engine_rate = f"{served:.2f} tok/s engine timer served" if served is not None else "no engine timer"
-        return (
-            f"serve: {engine_rate}, bare {bare:.2f} tok/s, TTFT median {record.value('ttft_s'):.3f} s, "
-            f"cancel counter {record.value('cancel_counter_before'):g} -> {record.value('cancel_counter_after'):g}"
-            f"{synthetic}"
-        )
-    if "claims" in record.outputs:
-        held = sum(c["holds"] for c in record.outputs["claims"])
-        return f"diagnose: {held} of {len(record.outputs['claims'])} claims hold{synthetic}"
-    if "modes" in record.outputs:
-        ran = [m["mode"] for m in record.outputs["modes"] if m["status"] == "ok"]
-        steps = ", ".join(f"{mode} {record.value(f'modes_{mode}_step_ms'):.2f} ms" for mode in ran)
-        return f"modes: step {steps}; {record.outputs['compile_count']['summary']}"
-    return f"parity {record.outputs['verdict']}" if "verdict" in record.outputs else "done"
+    return EXPERIMENTS[record.config["experiment"]["name"]].headline(record)
 
 
 def is_multirun() -> bool:

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, Gemma4TextConfig, PreTrainedTokenizerBas
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench.config import ModelSource
+from decodebench.layout import layers_of_config
 from decodebench.synthetic import ensure_synthetic
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -81,7 +82,7 @@ def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
             provenance = {"kind": "hub", "synthetic": False, "hub_id": hub_id, "path": str(path)}
     ckpt = open_checkpoint(path)
     ckpt.provenance.update(provenance)
-    ckpt.provenance["weights"] = "int4 tables (-emb4)" if tables == "int4" else "W4A16 linears, bf16 tables"
+    ckpt.provenance["tables_description"] = "int4 tables (-emb4)" if tables == "int4" else "W4A16 linears, bf16 tables"
     return ckpt
 
 
@@ -130,28 +131,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     provenance.setdefault("shape", shape_of_config(config))
     provenance["layers"] = layers_of_config(config)
     return Checkpoint(path=path, config=config, quantization=raw.get("quantization_config"), provenance=provenance)
-
-
-def layers_of_config(config: Gemma4TextConfig) -> list[dict[str, Any]]:
-    """Each decoder layer as the model builds it: attention type, the layer whose K/V it reads, head
-    size, K/V heads and MLP width (KV-shared layers are double-wide where the config says so)."""
-    modes = config.kv_sharing_modes
-    layers = []
-    for i, kind in enumerate(config.layer_types):
-        source = i
-        if modes[i] == "reuse":
-            source = max(j for j in range(i) if modes[j] != "reuse" and config.layer_types[j] == kind)
-        wide = 2 if config.use_double_wide_mlp and source != i else 1
-        layers.append(
-            {
-                "type": kind,
-                "kv_source": source,
-                "head_dim": config.per_layer_config[i].head_dim,
-                "kv_heads": config.per_layer_config[i].num_key_value_heads,
-                "intermediate_size": config.per_layer_config[i].intermediate_size * wide,
-            }
-        )
-    return layers
 
 
 def shape_of_config(config: Gemma4TextConfig) -> dict[str, Any]:

@@ -1,11 +1,12 @@
-"""Typed configuration for one benchmark cell, registered with Hydra's ConfigStore.
+"""Typed configuration for one benchmark cell: the core's part, registered with Hydra's ConfigStore.
 
-Every group (engine, model, device, experiment, hardware) is a dataclass. Choices with a fixed set
-of values are Enums, so OmegaConf rejects a bad value when the config is composed, naming the valid
-ones. Engines and experiments register their own configs (``engines.register_configs``,
-``experiments.register_configs``); devices are stored here; models and hardware are YAML files of
-facts under ``conf/``. ``validate`` checks what types cannot (ranges, shape rules) before any model
-is loaded.
+Every group (engine, model, device, experiment, hardware) is a dataclass. Choices with a fixed set of
+values are Enums, so OmegaConf rejects a bad value when the config is composed, naming the valid ones.
+Each engine's and experiment's config class lives beside its class (``engines/``, ``experiments/``)
+and registers itself; this module holds the run, the model, the device, the hardware and the bases.
+A run is handed to engines and experiments as typed objects (``OmegaConf.to_object``), and each
+object checks what types cannot (ranges, shape rules) in its own ``__post_init__``, before any model
+is loaded: a bad value is a ``ConfigError`` naming the value and the rule.
 """
 
 from __future__ import annotations
@@ -21,6 +22,26 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 DEFAULT_PROMPT = "Write a short paragraph about the ocean."
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with the numbers that make it so."""
+
+
+def at_least(prefix: str, obj: Any, minimum: float, *names: str, why: str = "") -> None:
+    """Each named field of ``obj`` is at least ``minimum``, or a ConfigError names ``prefix.field=value``."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ConfigError(f"{prefix}{name}={value} must be at least {minimum}{why}")
+
+
+def positive(prefix: str, obj: Any, *names: str, why: str = "") -> None:
+    """Each named field of ``obj`` is above zero (None: unknown, allowed), or a ConfigError names it."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{prefix}{name}={value} must be positive{why}")
 
 
 class DType(StrEnum):
@@ -42,49 +63,6 @@ class DeviceKind(StrEnum):
     tpu = "tpu"
     cuda = "cuda"
     cpu = "cpu"
-
-
-class StaticMode(StrEnum):
-    """How ``static`` runs: strict eager, or TorchTPU's defer-and-fuse (TPU only)."""
-
-    eager = "eager"
-    fuse = "fuse"
-
-
-class Attend(StrEnum):
-    """Which slots the ring's full-attention layers read: every slot of the cache (the article's two
-    programs), or the filled ones rounded up to a bucket (a program per bucket)."""
-
-    cache = "cache"
-    filled = "filled"
-
-
-class LastPiece(StrEnum):
-    """How the ring reads a prompt's last, partly filled piece: padded to a whole piece (the article's
-    two programs), padded only to a power of two of at least 16 tokens (a program per length), or
-    read at its exact length (a program per distinct length: what a short prompt costs exactly)."""
-
-    padded = "padded"
-    bucketed = "bucketed"
-    exact = "exact"
-
-
-class Weights(StrEnum):
-    """How the W4A16 linears are held while they compute: dequantized at load, or 4-bit (engines/int4.py)."""
-
-    dense = "dense"
-    int4 = "int4"
-
-
-class StepMatmul(StrEnum):
-    """How the JAX engine's decode step multiplies a token by a weight: ``dot`` (XLA's dot in the run's
-    dtype), ``upcast`` (XLA's dot in float32), ``reduce`` (a float32 multiply-and-sum), ``auto``:
-    ``reduce`` on a CPU (XLA:CPU's bf16 dot takes a slow path), ``dot`` elsewhere."""
-
-    auto = "auto"
-    dot = "dot"
-    upcast = "upcast"
-    reduce = "reduce"
 
 
 class Tables(StrEnum):
@@ -109,79 +87,10 @@ class EngineConfig:
 
 
 @dataclass
-class GenerateEngineConfig(EngineConfig):
-    """Hugging Face ``generate``: greedy, eager, dynamic cache."""
+class ExperimentConfig:
+    """Base of every experiment's typed config; ``name`` selects the experiment."""
 
-
-@dataclass
-class FuseEngineConfig(EngineConfig):
-    """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
-
-
-@dataclass
-class StaticEngineConfig(EngineConfig):
-    """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
-
-    mode: StaticMode = StaticMode.eager
-
-
-@dataclass
-class SteppingEngineConfig(EngineConfig):
-    """What every compiled-step engine shares.
-
-    ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
-    """
-
-    backend: str = "auto"
-    fullgraph: bool = False
-    weights: Weights = Weights.dense
-
-
-@dataclass
-class CompiledEngineConfig(SteppingEngineConfig):
-    """One compiled decode step over a StaticCache (article 003, Steps 7-8).
-
-    ``remove_wrappers=false``: the model is loaded through Transformers' own compressed-tensors path
-    and compressed-tensors' module wrappers are left on (the article's "wrappers on" row, Step 8).
-    """
-
-    remove_wrappers: bool = True
-
-
-@dataclass
-class Table4EngineConfig(CompiledEngineConfig):
-    """``compiled`` with the per-layer embedding table kept 4-bit (read from the -emb4 twin)."""
-
-
-@dataclass
-class RingEngineConfig(SteppingEngineConfig):
-    """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs.
-
-    ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
-    up to ``piece`` times a power of two (one compiled program per bucket used). ``last_piece=bucketed``:
-    a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
-    """
-
-    piece: int = 256
-    attend: Attend = Attend.cache
-    last_piece: LastPiece = LastPiece.padded
-
-
-@dataclass
-class RustEngineConfig(EngineConfig):
-    """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces."""
-
-    piece: int = 256
-
-
-@dataclass
-class JaxEngineConfig(EngineConfig):
-    """Gemma 4 in ``jax.numpy`` under ``jax.jit`` (engines/jax_model.py): the ring cache's layout and
-    pieces, two programs; ``weights=int4`` keeps every packed linear 4-bit, unpacked inside the step."""
-
-    piece: int = 256
-    weights: Weights = Weights.dense
-    step_matmul: StepMatmul = StepMatmul.auto
+    name: str = MISSING
 
 
 @dataclass
@@ -219,6 +128,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tokenizer_vocab: int = 3000  # BPE merges learnt for the synthetic tokenizer; the rest is filler
 
+    def __post_init__(self) -> None:
+        if self.source == ModelSource.synthetic:
+            validate_synthetic_shape(self)
+
 
 @dataclass
 class DeviceConfig:
@@ -228,120 +141,16 @@ class DeviceConfig:
 
 
 @dataclass
-class ExperimentConfig:
-    name: str = MISSING
-
-
-@dataclass
-class DecodeExperimentConfig(ExperimentConfig):
-    """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1)."""
-
-
-@dataclass
-class RecallExperimentConfig(ExperimentConfig):
-    """Numbered records fill the context; the model is asked for one code (experiments/recall_prompts).
-
-    ``repeats``: timed reads of each recall prompt (a long prompt's read already spans many pieces).
-    """
-
-    repeats: int = 1
-
-
-@dataclass
-class DefaultExperimentConfig(RecallExperimentConfig):
-    """decode (with memory), then the recall prompts that fit the context."""
-
-
-@dataclass
-class ParityExperimentConfig(ExperimentConfig):
-    """Engine against Transformers' own Gemma 4; KL bounds in nats (the float32 default is strict).
-
-    ``all_tokens``: the verdict also needs every greedy token equal (float32). In bfloat16 two correct
-    implementations round differently and part at a near tie, so ``experiment=parity-bf16`` holds the
-    KL up to the first differing token to a stated bound and reports the tokens equal beside it.
-    """
-
-    kl_mean: float = 1.0e-6
-    kl_max: float = 1.0e-5
-    all_tokens: bool = True
-    wrap_piece: int = 256  # long prompt: the ring's sliding slots at this piece (window + piece) + wrap_extra
-    wrap_extra: int = 64
-
-
-@dataclass
-class ModesExperimentConfig(ExperimentConfig):
-    """The device's execution modes on a stack of matrix multiplies; no model (article 003, Step 2 and its Tip).
-
-    The stack is ``layers`` products of square matrices whose side is chosen so that one step does
-    ``gflop`` GFLOP (the article's 275), divided by ``cpu_work_divisor`` on a CPU. ``steps``: timed warm
-    steps per mode (median). The compile-count probe runs a row-wise function of width ``probe_width``
-    at each of ``lengths`` rows, raw and padded up to a multiple of ``bucket``. The host-read probe runs
-    ``read_steps`` steps with one ``.item()`` after each, and without. ``backend``: as ``engine.backend``.
-    """
-
-    gflop: float = 275.0
-    layers: int = 16
-    cpu_work_divisor: int = 512
-    steps: int = 10
-    lengths: list[int] = field(default_factory=lambda: [37, 64, 100, 200])
-    bucket: int = 128
-    probe_width: int = 512
-    read_steps: int = 20
-    backend: str = "auto"
-
-
-@dataclass
-class DiagnoseExperimentConfig(ExperimentConfig):
-    """The article's claims about loading the repack through Transformers (article 003, Steps 3, 6, 7, 12).
-
-    ``backend``: what compiles the step whose first graph break is reported; TorchDynamo finds graph
-    breaks while it traces, before any backend runs, so ``eager`` finds the same break at a fraction
-    of the cost (``auto``: the device's own backend). ``cache_slots``: the StaticCache length asked
-    for in the Step 12 check (the article's 4,352).
-    """
-
-    backend: str = "eager"
-    cache_slots: int = 4352
-
-
-SERVE_PROMPTS = [
-    "Write a short paragraph about the ocean.",
-    "What is a TPU? Two sentences.",
-    "Name three uses of a ring buffer.",
-    "Explain greedy decoding in one sentence.",
-    "Write a haiku about memory bandwidth.",
-    "List four planets and one fact about each.",
-    "Why does a key-value cache speed up decoding?",
-    "Describe a lighthouse at night.",
-]
-
-
-@dataclass
-class ServeExperimentConfig(ExperimentConfig):
-    """The Rust article's served measurements through decodebench's OpenAI-compatible server.
-
-    (a) ``requests`` non-streamed requests one at a time with the run's prompt at ``max_tokens``;
-    (b) each of ``prompts`` streamed once (time to first token, inter-token latency, client tok/s);
-    (c) a stream dropped after ``cancel_after`` chunks must move the cancel counter by one and leave
-    the engine idle within ``idle_timeout_s`` seconds, else the cell fails. ``screenshot``: a picture of
-    the chat page beside the evidence when a headless chromium is installed.
-    """
-
-    requests: int = 5
-    max_tokens: int = 100
-    prompts: list[str] = field(default_factory=lambda: list(SERVE_PROMPTS))
-    cancel_after: int = 10
-    idle_timeout_s: float = 30.0
-    screenshot: bool = True
-
-
-@dataclass
 class ServeConfig:
-    """Where ``python -m decodebench.serve`` listens (not a measured setting: the serve experiment
-    always takes a free loopback port). Binds the loopback address unless told otherwise."""
+    """Where ``serve.py`` listens (not a measured setting: the serve experiment always takes a free
+    loopback port). Binds the loopback address unless told otherwise."""
 
     host: str = "127.0.0.1"
     port: int = 8000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port={self.port} must be 0 (a free port) to 65535")
 
 
 @dataclass
@@ -359,6 +168,9 @@ class HardwareConfig:
     memory_bandwidth_gb_s: float | None = None
     peak_bf16_tflops: float | None = None
     source: str = ""
+
+    def __post_init__(self) -> None:
+        positive("hardware.", self, *HARDWARE_NUMBERS, why=" (or null: unknown)")
 
 
 @dataclass
@@ -387,9 +199,14 @@ class RunConfig:
     evidence_dir: str = "evidence/runs"
     cache_dir: str = ".cache"
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run, with the numbers that make it so."""
+    def __post_init__(self) -> None:
+        validate_sweep(str(self.sweep))
+        host_folder(self.host)
+        at_least("", self, 2, "max_new_tokens", why=" (decode rate needs N-1 > 0)")
+        at_least("", self, 1, "repeats")
+        positive("", self, "context")
+        if self.read_every < 0:
+            raise ConfigError(f"read_every={self.read_every} must be 0 (read at the end) or a positive token count")
 
 
 SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -442,23 +259,6 @@ def host_folder(host: str | None) -> str | None:
     return name
 
 
-# JAX and PyTorch each hold a TPU for their process: cells of both frameworks need a process each.
-OWN_PROCESS_ENGINES = ("jax",)
-
-
-def validate_sweep_engines(engines: list[str], device_kind: str, launcher: str) -> None:
-    """A sweep that mixes JAX and PyTorch engines on a TPU cannot run its cells in one process (the
-    first framework to open the chip keeps it): it needs a fresh process per cell."""
-    jax = sorted(set(engines) & set(OWN_PROCESS_ENGINES))
-    torch_engines = sorted(set(engines) - set(OWN_PROCESS_ENGINES))
-    if device_kind == "tpu" and launcher == "basic" and jax and torch_engines:
-        raise ConfigError(
-            f"engine={','.join(engines)} on a TPU mixes JAX ({', '.join(jax)}) with PyTorch engines "
-            f"({', '.join(torch_engines)}): the first framework to open the chip holds it for the whole process, "
-            "so these cells cannot share one; add hydra/launcher=isolated (a fresh process per cell)"
-        )
-
-
 def validate_synthetic_shape(model: Any) -> None:
     """The rules a synthetic Gemma 4 shape must follow before it is built, each named with its value."""
     for name in POSITIVE_SHAPE_FIELDS:
@@ -480,58 +280,6 @@ def validate_synthetic_shape(model: Any) -> None:
             f"num_kv_shared_layers layers, one of each attention type the shared layers use (their K/V "
             f"source); with num_hidden_layers={layers} and full_attention_every={every} the layers are {kinds}"
         )
-
-
-def validate(cfg: Any) -> None:
-    """Checks that need no model: raises ConfigError with every offending value named."""
-    validate_sweep(str(cfg.sweep))
-    host_folder(cfg.host)
-    for name in HARDWARE_NUMBERS:
-        value = getattr(cfg.hardware, name, None)
-        if value is not None and value <= 0:
-            raise ConfigError(f"hardware.{name}={value} must be positive (or null: unknown)")
-    if cfg.model.source == "synthetic":
-        validate_synthetic_shape(cfg.model)
-    if getattr(cfg.experiment, "repeats", 1) < 1:
-        raise ConfigError(f"experiment.repeats={cfg.experiment.repeats} must be at least 1")
-    if cfg.max_new_tokens < 2:
-        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be at least 2 (decode rate needs N-1 > 0)")
-    if cfg.repeats < 1:
-        raise ConfigError(f"repeats={cfg.repeats} must be at least 1")
-    if cfg.context < 1:
-        raise ConfigError(f"context={cfg.context} must be positive")
-    if cfg.read_every < 0:
-        raise ConfigError(f"read_every={cfg.read_every} must be 0 (read at the end) or a positive token count")
-    if getattr(cfg.engine, "piece", 1) < 1:
-        raise ConfigError(f"engine.piece={cfg.engine.piece} must be positive (prompt tokens read per piece)")
-    if getattr(cfg.engine, "remove_wrappers", True) is False and (
-        cfg.engine.name == "table4" or cfg.engine.weights == Weights.int4
-    ):
-        raise ConfigError(
-            "engine.remove_wrappers=false loads through Transformers' compressed-tensors path, which unpacks "
-            f"every weight to the run's dtype: it cannot keep weights 4-bit (engine={cfg.engine.name}, "
-            f"engine.weights={cfg.engine.weights}); use engine=compiled engine.weights=dense"
-        )
-    validate_experiment(cfg.experiment)
-
-
-def validate_experiment(experiment: Any) -> None:
-    """Counts and sizes an experiment's config must keep positive (each named with its value)."""
-    for name in ("layers", "cpu_work_divisor", "steps", "bucket", "probe_width", "read_steps", "cache_slots",
-                 "requests", "max_tokens"):  # fmt: skip
-        if getattr(experiment, name, 1) < 1:
-            raise ConfigError(f"experiment.{name}={getattr(experiment, name)} must be at least 1")
-    if getattr(experiment, "gflop", 1) <= 0:
-        raise ConfigError(f"experiment.gflop={experiment.gflop} must be positive")
-    if getattr(experiment, "cancel_after", 2) < 2:
-        raise ConfigError(f"experiment.cancel_after={experiment.cancel_after} must be at least 2 chunks")
-    if getattr(experiment, "idle_timeout_s", 1) <= 0:
-        raise ConfigError(f"experiment.idle_timeout_s={experiment.idle_timeout_s} must be positive")
-    if not list(getattr(experiment, "prompts", ["x"])):
-        raise ConfigError("experiment.prompts is empty: the streamed part needs one prompt or more")
-    lengths = list(getattr(experiment, "lengths", [1]))
-    if not lengths or min(lengths) < 1:
-        raise ConfigError(f"experiment.lengths={lengths} must be one or more positive row counts")
 
 
 def register_configs(cs: ConfigStore) -> None:

@@ -9,6 +9,7 @@ cell's evidence records the measurement it used, with the file it came from.
 from __future__ import annotations
 
 import socket
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,10 @@ def auto_name(device: Device) -> str:
     return "cpu"
 
 
-def facts(hardware_cfg: Any, device: Device) -> dict[str, Any]:
+def facts(hardware_cfg: HardwareConfig, device: Device) -> dict[str, Any]:
     """The facts file's values (``auto``: the one matching the device); no measurement."""
     if hardware_cfg.name != "auto":
-        return OmegaConf.to_container(hardware_cfg)
+        return asdict(hardware_cfg)
     raw = OmegaConf.load(CONF / f"{auto_name(device)}.yaml")
     raw.pop("defaults", None)
     return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(HardwareConfig), raw))
@@ -52,7 +53,7 @@ def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, An
     return {**measured, "file": str(path)}
 
 
-def resolve(hardware_cfg: Any, device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
+def resolve(hardware_cfg: HardwareConfig, device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
     """The hardware block of an evidence file: the facts, and the sweep's bandwidth where none is given."""
     block = facts(hardware_cfg, device)
     block["bandwidth_source"] = "facts file" if block["memory_bandwidth_gb_s"] else "measured"

@@ -1,6 +1,7 @@
-"""The engine interface: load a checkpoint, then greedily generate a token budget from prompt ids.
+"""The engine interface: an engine is built loaded (``engines.open`` constructs it, the one place that
+does), then greedily generates a token budget from prompt ids, until ``close()``.
 
-The experiment puts ``device.sync()`` and the clock around ``load`` and ``generate``.  Engines that
+The experiment puts ``device.sync()`` and the clock around the construction and ``generate``.  Engines that
 step (``splits_phases``) also time their own two phases inside one call, as the Rust article's
 engine does: ``read_s`` from the call's start until the first new token is ready on the device
 (the prompt read), ``decode_s`` from then until the last token is on the host, each boundary after
@@ -21,51 +22,12 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
-from decodebench.config import EngineConfig
+from decodebench.checkpoint import Checkpoint
+from decodebench.config import EngineConfig, ModelConfig
 from decodebench.device import Device
 
 CONTEXT_HEADROOM = 256  # cache slots allowed past max_position_embeddings (a padded last prompt piece)
 OnTokens = Callable[[list[int]], bool]  # a batch of new token ids on the host -> go on (False: stop after it)
-
-
-def decode_loop(
-    token: Any,
-    logits: Any,
-    step: Callable[[int, Any], tuple[Any, Any]],
-    max_new_tokens: int,
-    read_every: int,
-    to_host: Callable[[list[Any]], list[int]],
-    on_tokens: OnTokens | None = None,
-    return_logits: bool = False,
-) -> tuple[list[int], list[Any]]:
-    """The step-by-step engines' decode loop, whatever the framework: from the prompt read's first
-    ``token`` (on the device), ``step(i, token)`` makes each next one; tokens stay on the device and are
-    read to the host (``to_host``, a copy that waits) every ``read_every`` tokens, each batch handed to
-    ``on_tokens`` (a stream gets the first token alone at once; False stops after that batch).
-    Returns the host tokens and, with ``return_logits``, every step's device logits in order."""
-    pending, tokens, kept = [token], [], [logits] if return_logits else []
-    steps = max_new_tokens - 1
-    if on_tokens is not None:  # a stream has its first token as soon as the prompt read made it
-        tokens, pending = to_host([token]), []
-        steps = steps if on_tokens(list(tokens)) else 0
-    for i in range(steps):
-        token, logits = step(i, token)
-        pending.append(token)
-        if return_logits:
-            kept.append(logits)
-        if len(pending) >= read_every:  # the read-back: a device -> host copy that waits
-            batch = to_host(pending)
-            tokens += batch
-            pending = []
-            if on_tokens is not None and not on_tokens(batch):
-                break
-    if pending:
-        batch = to_host(pending)
-        tokens += batch
-        if on_tokens is not None:
-            on_tokens(batch)
-    return tokens, kept
 
 
 class EngineLimit(RuntimeError):
@@ -87,8 +49,8 @@ class Generation:
 class EngineContext:
     """What every engine is built from: its own config, the run's model, device, dtype and cache size."""
 
-    engine_cfg: Any
-    model_cfg: Any
+    engine_cfg: EngineConfig
+    model_cfg: ModelConfig
     device: Device
     dtype: torch.dtype
     context: int
@@ -97,7 +59,8 @@ class EngineContext:
 
 
 class Engine(ABC):
-    """One way of running the model.  Subclasses set ``name`` and implement ``load`` and ``generate``."""
+    """One way of running the model. Subclasses set ``name`` and ``config`` and implement ``load`` (called
+    by the constructor: a constructed engine is complete) and ``generate``; ``close`` frees what it holds."""
 
     name: ClassVar[str]
     config: ClassVar[type[EngineConfig]]  # the typed config Hydra composes for ``engine=<name>``
@@ -106,11 +69,14 @@ class Engine(ABC):
     tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
+    model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
-    def __init__(self, ctx: EngineContext) -> None:
+    def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Reads ``checkpoint`` onto ``ctx.device`` (``load``); the caller times the construction."""
         self.ctx = ctx
-        self.checkpoint: Checkpoint | None = None
-        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.checkpoint = checkpoint
+        self.tokenizer = tokenizer
+        self.load()
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -119,18 +85,25 @@ class Engine(ABC):
             return f"engine {cls.name} runs on {', '.join(cls.devices)}; this run's device is {device.kind}"
         return None
 
-    def prepare(self) -> None:
-        """Finds the checkpoint (building a synthetic one on first use) and its tokenizer; not timed."""
-        self.checkpoint = resolve(self.ctx.model_cfg, self.twin(), self.ctx.cache_dir)
-        self.tokenizer = load_tokenizer(self.checkpoint)
-
-    def twin(self) -> str:
+    @classmethod
+    def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
         """Which twin this engine reads: its own (``tables``) or the model config's."""
-        return self.tables or self.ctx.model_cfg.tables
+        return cls.tables or model_cfg.tables
+
+    @classmethod
+    def limit(cls, config: Any, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why this engine cannot hold the prompt plus its new tokens by design (``skipped``), or None;
+        ``config`` is the checkpoint's text config."""
+        return None
+
+    @classmethod
+    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
+        """TorchDynamo settings this engine needs while it is open (``engines.open`` sets and restores them)."""
+        return {}
 
     @abstractmethod
     def load(self) -> None:
-        """Reads the prepared checkpoint onto the device (the experiment times this)."""
+        """Reads the checkpoint onto the device (called once, by the constructor)."""
 
     @abstractmethod
     def generate(
@@ -149,9 +122,9 @@ class Engine(ABC):
         returns False the call stops after that batch and ``tokens`` holds what was made so far.
         """
 
-    def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """Why this engine cannot hold the prompt plus its new tokens by design (``skipped``), or None."""
-        return None
+    def close(self) -> None:
+        """Drops the model, caches and compiled programs; the engine cannot be called after this."""
+        self.model = None
 
     @contextmanager
     def reading_every(self, k: int) -> Iterator[None]:
@@ -173,11 +146,10 @@ class Engine(ABC):
         On a CPU the resident-set counters miss tables that are memory-mapped and never touched;
         this figure is what a device must hold.
         """
-        model = getattr(self, "model", None)
-        if model is None:
+        if self.model is None:
             return None
         storages = {}
-        for tensor in (*model.parameters(), *model.buffers()):
+        for tensor in (*self.model.parameters(), *self.model.buffers()):
             if tensor.stride() and 0 in tensor.stride():
                 continue  # zero-stride placeholders hold no memory
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
@@ -189,5 +161,4 @@ class Engine(ABC):
 
     @property
     def eos_ids(self) -> list[int]:
-        assert self.checkpoint is not None
         return self.checkpoint.eos_ids

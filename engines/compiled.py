@@ -19,16 +19,18 @@ counters give (``describe``).
 from __future__ import annotations
 
 import types
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from decodebench.checkpoint import PackedTable, load_reference
-from decodebench.config import CompiledEngineConfig
+from decodebench.config import ConfigError
 from engines.generate import static_cache_bytes
-from engines.stepping import SteppingEngine, greedy
+from engines.int4 import Weights
+from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
 
@@ -64,6 +66,26 @@ def forward_logits(model: Any, cache: StaticCache, ids: torch.Tensor, positions:
     return out.logits[:, -1]
 
 
+@dataclass
+class CompiledEngineConfig(SteppingEngineConfig):
+    """One compiled decode step over a StaticCache (article 003, Steps 7-8).
+
+    ``remove_wrappers=false``: the model is loaded through Transformers' own compressed-tensors path
+    and compressed-tensors' module wrappers are left on (the article's "wrappers on" row, Step 8).
+    """
+
+    remove_wrappers: bool = True
+    keeps_table_4bit: ClassVar[bool] = False  # table4 keeps the per-layer table packed
+
+    def __post_init__(self) -> None:
+        if not self.remove_wrappers and (self.keeps_table_4bit or self.weights == Weights.int4):
+            raise ConfigError(
+                "engine.remove_wrappers=false loads through Transformers' compressed-tensors path, which unpacks "
+                f"every weight to the run's dtype: it cannot keep weights 4-bit (engine={self.name}, "
+                f"engine.weights={self.weights}); use engine=compiled engine.weights=dense"
+            )
+
+
 class CompiledEngine(SteppingEngine):
     name = "compiled"
     config = CompiledEngineConfig
@@ -71,7 +93,6 @@ class CompiledEngine(SteppingEngine):
     def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
         if self.ctx.engine_cfg.remove_wrappers:
             return super().load_weights(keep)
-        assert self.checkpoint is not None
         return load_reference(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device), {}
 
     def build(self) -> None:
@@ -83,14 +104,14 @@ class CompiledEngine(SteppingEngine):
         self.wrapped_after = dispatch_wrapped(self.model)
         self.cache = static_cache(self.model.config, self.ctx.context)
 
-    def limit(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        assert self.checkpoint is not None
-        window = self.checkpoint.config.sliding_window
+    @classmethod
+    def limit(cls, config: Any, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        window = config.sliding_window
         last = prompt_tokens + max_new_tokens
         if last <= window:
             return None
         return (
-            f"engine {self.name} holds at most sliding_window={window} positions in its sliding "
+            f"engine {cls.name} holds at most sliding_window={window} positions in its sliding "
             f"layers, and this cell needs {last} (prompt {prompt_tokens} + max_new_tokens "
             f"{max_new_tokens}): past the window the StaticCache recipe writes beyond those buffers "
             "(it halted the TPU in article 003, Step 12); use engine=ring"
@@ -111,12 +132,16 @@ class CompiledEngine(SteppingEngine):
     def cache_bytes(self) -> int | None:
         return static_cache_bytes(self.cache)
 
+    def close(self) -> None:
+        super().close()
+        self.cache = None
+
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
             "cache": f"transformers StaticCache, max_cache_len={self.ctx.context}, sliding-window fix",
             "loader": "decodebench" if self.ctx.engine_cfg.remove_wrappers else "transformers (compressed-tensors)",
-            "wrapped_modules_before": getattr(self, "wrapped_before", None),
-            "wrapped_modules_after": getattr(self, "wrapped_after", None),
-            "wrapped_modules_at_end": dispatch_wrapped(self.model) if hasattr(self, "model") else None,
+            "wrapped_modules_before": self.wrapped_before,
+            "wrapped_modules_after": self.wrapped_after,
+            "wrapped_modules_at_end": dispatch_wrapped(self.model),
         }

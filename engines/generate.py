@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -10,9 +12,33 @@ from transformers import GenerationConfig, StaticCache, StoppingCriteria, Stoppi
 from transformers.generation.streamers import BaseStreamer
 
 from decodebench.checkpoint import load_model
-from decodebench.config import FuseEngineConfig, GenerateEngineConfig, StaticEngineConfig, StaticMode
+from decodebench.config import EngineConfig
 from decodebench.device import Device, tpu_eager_mode
 from engines.base import Engine, Generation, OnTokens
+
+
+@dataclass
+class GenerateEngineConfig(EngineConfig):
+    """Hugging Face ``generate``: greedy, eager, dynamic cache."""
+
+
+@dataclass
+class FuseEngineConfig(EngineConfig):
+    """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
+
+
+class StaticMode(StrEnum):
+    """How ``static`` runs: strict eager, or TorchTPU's defer-and-fuse (TPU only)."""
+
+    eager = "eager"
+    fuse = "fuse"
+
+
+@dataclass
+class StaticEngineConfig(EngineConfig):
+    """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
+
+    mode: StaticMode = StaticMode.eager
 
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
@@ -91,7 +117,6 @@ class GenerateEngine(Engine):
     eager_mode: str | None = None  # TorchTPU eager mode to run generate under (None: the default)
 
     def load(self) -> None:
-        assert self.checkpoint is not None
         self.model, _ = load_model(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device)
 
     def cache(self) -> Any:
@@ -134,9 +159,9 @@ class StaticEngine(GenerateEngine):
     name = "static"
     config = StaticEngineConfig
 
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        self.eager_mode = {StaticMode.eager: None, StaticMode.fuse: "fuse"}[ctx.engine_cfg.mode]
+    def load(self) -> None:
+        super().load()
+        self.eager_mode = {StaticMode.eager: None, StaticMode.fuse: "fuse"}[self.ctx.engine_cfg.mode]
         self._cache: StaticCache | None = None
 
     @classmethod
@@ -153,6 +178,10 @@ class StaticEngine(GenerateEngine):
 
     def cache_bytes(self) -> int | None:
         return static_cache_bytes(self._cache)
+
+    def close(self) -> None:
+        super().close()
+        self._cache = None
 
     def describe(self) -> dict[str, Any]:
         return {

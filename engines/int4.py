@@ -19,6 +19,7 @@ the checkpoint's w = level * scale exactly.
 from __future__ import annotations
 
 import warnings
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,15 @@ from torch import nn
 from decodebench.checkpoint import PackedTable
 
 GROUP = 32
+
+
+class Weights(StrEnum):
+    """How the W4A16 linears are held while they compute: dequantized at load, or 4-bit (this module)."""
+
+    dense = "dense"
+    int4 = "int4"
+
+
 LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")  # tables read by row: kept packed as Int4Embedding
 # The checkpoint stores the table's scales in float16 and a bf16 run writes bf16 rows, so inductor's
 # CPU code generator sees both in one fused lookup and says so. The lookup unpacks in float32, so

@@ -6,22 +6,24 @@ become ``jax.Array``s on the JAX device once. ``engine.weights=dense`` dequantiz
 PyTorch engines do; ``engine.weights=int4`` keeps every packed linear as the checkpoint's int32 words
 and group scales, unpacked inside the jitted programs (``engines.jax_model.Int4``).
 
-The model (``engines/jax_model.py``) runs over the ring cache's geometry (``engines/ring.py``),
+The model (``engines/jax_model.py``) runs over the ring cache's geometry (``decodebench.layout``),
 compiled to exactly two programs: one prompt piece of ``engine.piece`` tokens (the last one padded)
 and one decode step; the cache buffers are donated to each call. ``engine.step_matmul`` says how the
 step multiplies a token by a weight (``engines.jax_model.linear``); ``auto`` is ``reduce`` on a CPU,
 where XLA's bf16 dot takes a slow path, and ``dot`` on a TPU or GPU.
 
-Phase timers as the stepping engines (``engines/stepping.py``): ``read_s`` from the call's start to
-the first new token ready on the device (``block_until_ready``), ``decode_s`` from there to the last
-of the N tokens on the host; tokens are read back every ``read_every`` tokens.
+The call is the shared skeleton of every engine that steps (``engines/steps.py``), with its phase
+timers: ``read_s`` from the call's start to the first new token ready on the device
+(``block_until_ready``), ``decode_s`` from there to the last of the N tokens on the host; tokens are
+read back every ``read_every`` tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import time
+from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 from typing import Any
 
@@ -29,10 +31,35 @@ import numpy as np
 import torch
 
 from decodebench.checkpoint import text_state_dict
-from decodebench.config import JaxEngineConfig, StepMatmul, Weights
+from decodebench.config import EngineConfig, at_least
 from decodebench.device import Device
-from engines.base import Engine, Generation, OnTokens, decode_loop
-from engines.ring import cache_layout
+from decodebench.layout import cache_layout
+from engines.int4 import Weights
+from engines.steps import SteppedEngine
+
+
+class StepMatmul(StrEnum):
+    """How the JAX engine's decode step multiplies a token by a weight: ``dot`` (XLA's dot in the run's
+    dtype), ``upcast`` (XLA's dot in float32), ``reduce`` (a float32 multiply-and-sum), ``auto``:
+    ``reduce`` on a CPU (XLA:CPU's bf16 dot takes a slow path), ``dot`` elsewhere."""
+
+    auto = "auto"
+    dot = "dot"
+    upcast = "upcast"
+    reduce = "reduce"
+
+
+@dataclass
+class JaxEngineConfig(EngineConfig):
+    """Gemma 4 in ``jax.numpy`` under ``jax.jit`` (engines/jax_model.py): the ring cache's layout and
+    pieces, two programs; ``weights=int4`` keeps every packed linear 4-bit, unpacked inside the step."""
+
+    piece: int = 256
+    weights: Weights = Weights.dense
+    step_matmul: StepMatmul = StepMatmul.auto
+
+    def __post_init__(self) -> None:
+        at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
 
 
 def host_to_jax(tensor: torch.Tensor, device: Any) -> Any:
@@ -45,12 +72,10 @@ def host_to_jax(tensor: torch.Tensor, device: Any) -> Any:
     return jax.device_put(array, device)
 
 
-class JaxEngine(Engine):
+class JaxEngine(SteppedEngine):
     name = "jax"
     config = JaxEngineConfig
     framework = "jax"
-    streams = True
-    splits_phases = True
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -64,7 +89,6 @@ class JaxEngine(Engine):
 
         from engines import jax_model
 
-        assert self.checkpoint is not None
         config, cfg = self.checkpoint.config, self.ctx.engine_cfg
         device = self.ctx.device.jax_device
         dtype = jnp.dtype(str(self.ctx.dtype).removeprefix("torch."))
@@ -117,57 +141,41 @@ class JaxEngine(Engine):
             token, logits, self.cache = self.piece_fn(self.params, self.cache, *jax.device_put(inputs, device))
         return token, logits
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        *,
-        return_logits: bool = False,
-        on_tokens: OnTokens | None = None,
-    ) -> Generation:
+    def wait(self, token: Any) -> None:
+        token.block_until_ready()
+
+    def position(self, prompt_tokens: int) -> Any:
         import jax
 
-        self.ctx.device.sync()
-        start = time.perf_counter()
-        self.reset()
-        token, logits = self.prefill(prompt_ids)
-        token.block_until_ready()
-        first = time.perf_counter()
-        position = jax.device_put(np.asarray([len(prompt_ids)], np.int32), self.ctx.device.jax_device)
+        return jax.device_put(np.asarray([prompt_tokens], np.int32), self.ctx.device.jax_device)
 
-        def step(i: int, token: Any) -> tuple[Any, Any]:
-            nonlocal position
-            token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
-            return token, logits
+    def advance(self, at: int, token: Any, position: Any) -> tuple[Any, Any, Any]:
+        token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
+        return token, logits, position
 
-        tokens, kept = decode_loop(
-            token,
-            logits,
-            step,
-            max_new_tokens,
-            self.ctx.read_every or max_new_tokens,
-            lambda batch: [int(t[0]) for t in jax.device_get(batch)],
-            on_tokens,
-            return_logits,
-        )
-        end = time.perf_counter()
-        stacked = torch.from_numpy(np.stack(jax.device_get(kept)).astype(np.float32)) if return_logits else None
-        return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
+    def to_host(self, batch: list[Any]) -> list[int]:
+        import jax
+
+        return [int(t[0]) for t in jax.device_get(batch)]
+
+    def host_logits(self, kept: list[Any]) -> torch.Tensor:
+        import jax
+
+        return torch.from_numpy(np.stack(jax.device_get(kept)).astype(np.float32))
+
+    def close(self) -> None:
+        self.params = self.cache = self.piece_fn = self.step_fn = None
 
     def weight_bytes(self) -> int | None:
         """Bytes of every parameter array as held on the device (a tied table once), from shapes."""
         import jax
 
-        if not hasattr(self, "params"):
-            return None
         arrays = {id(a): a for a in jax.tree_util.tree_leaves(self.params)}
         return sum(a.nbytes for a in arrays.values())
 
     def cache_bytes(self) -> int | None:
         import jax
 
-        if not hasattr(self, "cache"):
-            return None
         return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.cache["kv"]))
 
     def programs(self) -> dict[str, int]:
@@ -175,10 +183,7 @@ class JaxEngine(Engine):
         return {"piece": self.piece_fn._cache_size(), "step": self.step_fn._cache_size()}
 
     def describe(self) -> dict[str, Any]:
-        if not hasattr(self, "plan"):
-            return {}
         programs = self.programs()
-        assert self.checkpoint is not None
         return {
             "weights": str(self.ctx.engine_cfg.weights),
             "step_matmul": self.plan.matmul,

@@ -8,7 +8,7 @@ sharing, head sizes, double-wide MLPs) and is static under ``jax.jit``.
 * Norms compute in float32 and cast back (``Gemma4RMSNorm``); RoPE tables come from Transformers'
   own ``Gemma4TextRotaryEmbedding`` (both settings: default for sliding layers, proportional with
   partial rotation for full ones), so no RoPE arithmetic is written twice.
-* The cache is the ring's (``ring_slots``, ``full_slots``, ``kv_sources``): full layers one slot per
+* The cache is the ring's (``decodebench.layout``): full layers one slot per
   position, sliding layers a ring of window + piece slots with a record of the position each holds.
 * From the first KV-shared layer on, a piece keeps only its last real row (those layers write no
   cache; Transformers slices the same way with ``logits_to_keep``).
@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decodebench.checkpoint import layers_of_config
-from engines.ring import full_slots, ring_slots
+from decodebench.layout import full_slots, layers_of_config, ring_slots
 
 
 class Int4(NamedTuple):

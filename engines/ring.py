@@ -1,10 +1,7 @@
 """``ring``: a ring KV cache for the full context (article 003, Step 10; shared/notes section 2.2).
 
-* Full-attention layers keep one slot per position up to ``context`` (rounded up to a piece).
-* Sliding layers keep a ring of ``window + piece`` slots (the window rounded up to a whole number of
-  pieces) and one record of the position each slot holds (-1: empty or padding); a piece of the
-  prompt always lands in contiguous slots and never overwrites a key the same piece still needs.
-* KV-shared layers read their source layer's buffers (the last cache-owning layer of their type).
+* The geometry is ``decodebench.layout``'s (full slots, the sliding ring, KV-shared sources); the
+  ring keeps one record of the position each slot holds (-1: empty or padding).
 * Prompts are read in fixed ``piece``-token pieces (the last one padded), so the model compiles to
   exactly two programs, one piece and one decode step, whatever the prompt length.
 * ``engine.attend=filled``: full-attention layers read only slots ``[0, bucket)``, the filled ones
@@ -25,6 +22,8 @@ from __future__ import annotations
 
 import math
 import types
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -32,50 +31,48 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
-from decodebench.checkpoint import layers_of_config
-from decodebench.config import Attend, LastPiece, RingEngineConfig
-from engines.stepping import SteppingEngine, greedy
+from decodebench.config import at_least
+from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
+from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
 MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
 MAX_PROGRAMS = 64  # compiled programs a bucketed ring keeps per function (more than 2 * log2(131328 / 16))
 NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
 
 
-def ring_slots(window: int, piece: int) -> int:
-    """Sliding-layer ring size: the window rounded up to whole pieces, plus one piece."""
-    return math.ceil(window / piece) * piece + piece
+class Attend(StrEnum):
+    """Which slots the ring's full-attention layers read: every slot of the cache (the article's two
+    programs), or the filled ones rounded up to a bucket (a program per bucket)."""
+
+    cache = "cache"
+    filled = "filled"
 
 
-def bucket_for(needed: int, piece: int, full: int) -> int:
-    """Full-layer slots read when ``needed`` positions are filled: ``piece * 2**j``, at most ``full``."""
-    pieces = math.ceil(needed / piece)
-    return min(full, piece * 2 ** math.ceil(math.log2(pieces)) if pieces > 1 else piece)
+class LastPiece(StrEnum):
+    """How the ring reads a prompt's last, partly filled piece: padded to a whole piece (the article's
+    two programs), padded only to a power of two of at least 16 tokens (a program per length), or
+    read at its exact length (a program per distinct length: what a short prompt costs exactly)."""
+
+    padded = "padded"
+    bucketed = "bucketed"
+    exact = "exact"
 
 
-def full_slots(context: int, piece: int) -> int:
-    """Full-layer slots: the context rounded up to whole pieces (a padded last piece fits)."""
-    return math.ceil(context / piece) * piece
+@dataclass
+class RingEngineConfig(SteppingEngineConfig):
+    """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs.
 
+    ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
+    up to ``piece`` times a power of two (one compiled program per bucket used). ``last_piece=bucketed``:
+    a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
+    """
 
-def kv_sources(config: Any) -> list[int]:
-    """For each layer, the layer whose K/V it reads: itself, or (KV-shared) the last cache-owning
-    layer of the same type (``decodebench.checkpoint.layers_of_config``)."""
-    return [layer["kv_source"] for layer in layers_of_config(config)]
+    piece: int = 256
+    attend: Attend = Attend.cache
+    last_piece: LastPiece = LastPiece.padded
 
-
-def cache_layout(config: Any, context: int, piece: int) -> dict[str, Any]:
-    """The ring cache's geometry for evidence: cache-owning layers of each type and their slots."""
-    owners = [i for i, src in enumerate(kv_sources(config)) if src == i]
-    full = [i for i in owners if config.layer_types[i] == "full_attention"]
-    return {
-        "full_layers": len(full),
-        "full_slots": full_slots(context, piece),
-        "sliding_layers": len(owners) - len(full),
-        "ring_slots": ring_slots(config.sliding_window, piece),
-        "shared_layers": config.num_hidden_layers - len(owners),
-        "sliding_window": config.sliding_window,
-        "piece": piece,
-    }
+    def __post_init__(self) -> None:
+        at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
 
 
 class RingCache:
@@ -207,15 +204,19 @@ class RingEngine(SteppingEngine):
     name = "ring"
     config = RingEngineConfig
 
+    @classmethod
+    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
+        """A program per bucket and length: keep them all, never evict (one program per function otherwise)."""
+        if engine_cfg.attend == Attend.filled or engine_cfg.last_piece != LastPiece.padded:
+            return {"recompile_limit": MAX_PROGRAMS}
+        return {}
+
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         self.filled = self.ctx.engine_cfg.attend == Attend.filled
-        self.short_last_piece = self.ctx.engine_cfg.last_piece != LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
-        if self.filled or self.short_last_piece:  # a program per bucket and length: keep them, never evict
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_PROGRAMS)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             attn.forward = types.MethodType(lambda s, *a, **k: ring_attention(s, self.ring, *a, **k), attn)
@@ -284,9 +285,11 @@ class RingEngine(SteppingEngine):
     def cache_bytes(self) -> int | None:
         return self.ring.nbytes()
 
+    def close(self) -> None:
+        super().close()
+        self.ring = self.compiled_piece = None
+
     def describe(self) -> dict[str, Any]:
-        if not hasattr(self, "ring"):
-            return {}
         return {
             **super().describe(),
             "layout": self.ring.layout(),

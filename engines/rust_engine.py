@@ -8,15 +8,26 @@ loop run in Rust, every tensor operation through the C++ shim's ATen calls.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from decodebench.checkpoint import load_model
-from decodebench.config import RustEngineConfig
+from decodebench.config import EngineConfig, at_least
 from decodebench.device import Device
+from decodebench.layout import full_slots, kv_sources, ring_slots
 from engines.base import Engine, Generation, OnTokens
-from engines.ring import full_slots, kv_sources, ring_slots
+
+
+@dataclass
+class RustEngineConfig(EngineConfig):
+    """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces."""
+
+    piece: int = 256
+
+    def __post_init__(self) -> None:
+        at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
 
 
 def built() -> str | None:
@@ -75,7 +86,6 @@ class RustEngine(Engine):
     def load(self) -> None:
         import decodebench_rs
 
-        assert self.checkpoint is not None
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         model, _ = load_model(self.checkpoint, dtype, device)
         weights = dict(model.state_dict())
@@ -111,9 +121,10 @@ class RustEngine(Engine):
         )
 
     def cache_bytes(self) -> int | None:
-        return self.native.cache_bytes if hasattr(self, "native") else None
+        return self.native.cache_bytes
+
+    def close(self) -> None:
+        self.native = None
 
     def describe(self) -> dict[str, Any]:
-        if not hasattr(self, "native"):
-            return {}
         return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every}

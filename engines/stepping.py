@@ -1,29 +1,28 @@
-"""What the step-by-step engines share: a compiled one-token step, graph counters, the decode loop.
+"""What the torch step-by-step engines share: a compiled one-token step, 4-bit weights, graph counters.
 
 A stepping engine implements ``reset`` (empty its cache), ``prefill`` (read the prompt, return the
-first token and its logits) and ``step`` (one token in at a position, the next token out).  Tokens
-and positions stay on the device; ``read_every`` decides how often tokens are read to the host.
-
-Phase timers (wall clock, ``device.sync()`` at each boundary): ``read_s`` from the call's start to
-the first new token ready on the device (reset + prefill), ``decode_s`` from there to the last of
-the N tokens on the host (N-1 steps and the read-backs), so decode tok/s = (N-1) / decode_s.
+first token and its logits) and ``step`` (one token in at a position, the next token out), all on
+torch tensors on the device; the call itself (phase timers, read-backs, streaming) is the shared
+skeleton in ``engines/steps.py``.
 """
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
 from decodebench.checkpoint import PackedTable, load_model
-from decodebench.config import Tables, Weights
+from decodebench.config import EngineConfig, Tables
 from decodebench.device import Device
 from engines import int4
-from engines.base import Engine, Generation, OnTokens, decode_loop
+from engines.int4 import Weights
+from engines.steps import SteppedEngine
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,12 +49,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1, keepdim=True)
 
 
-class SteppingEngine(Engine):
+@dataclass
+class SteppingEngineConfig(EngineConfig):
+    """What every compiled-step engine shares.
+
+    ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
+    """
+
+    backend: str = "auto"
+    fullgraph: bool = False
+    weights: Weights = Weights.dense
+
+
+class SteppingEngine(SteppedEngine):
     """Prefill once, then a compiled one-token step per new token."""
 
     keep_packed: tuple[str, ...] = ()
-    streams = True
-    splits_phases = True
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -65,14 +74,12 @@ class SteppingEngine(Engine):
                 return reason
         return super().unsupported_reason(device, run_cfg)
 
-    def twin(self) -> str:
+    @classmethod
+    def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
         """``engine.weights=int4`` reads the ``-emb4`` twin, whose tables and ``lm_head`` are int4 too."""
-        return Tables.int4 if self.ctx.engine_cfg.weights == Weights.int4 else super().twin()
+        return Tables.int4 if engine_cfg.weights == Weights.int4 else super().twin(engine_cfg, model_cfg)
 
     def load(self) -> None:
-        assert self.checkpoint is not None
-        counters.clear()
-        torch._dynamo.reset()
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         lookups = tuple(dict.fromkeys(self.keep_packed + (int4.LOOKUPS if self.int4 else ())))
@@ -91,7 +98,6 @@ class SteppingEngine(Engine):
     def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
         """The model on the device from decodebench's loader, with the weights named in ``keep`` (and every
         linear when ``engine.weights=int4``) left packed for the engine to swap in."""
-        assert self.checkpoint is not None
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         return load_model(self.checkpoint, dtype, device, keep, keep_linears=self.int4)
 
@@ -108,66 +114,40 @@ class SteppingEngine(Engine):
         """Called on the host before each step with the position it writes (for programs that depend on it)."""
 
     @abstractmethod
-    def reset(self) -> None: ...
-
-    @abstractmethod
-    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reads the prompt; returns the first new token [1, 1] and its logits [1, V], on the device."""
-
-    @abstractmethod
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token [1, 1] at ``position`` [1] (device tensors) -> the next token [1, 1] and logits [1, V]."""
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        *,
-        return_logits: bool = False,
-        on_tokens: OnTokens | None = None,
-    ) -> Generation:
-        sync = self.ctx.device.sync
-        sync()
-        start = time.perf_counter()
-        self.reset()
-        token, logits = self.prefill(prompt_ids)
-        sync()
-        first = time.perf_counter()
-        position = torch.tensor([len(prompt_ids)], device=self.ctx.device.torch_device)
+    def running(self) -> AbstractContextManager[Any]:
+        return torch.inference_mode()
 
-        def step(i: int, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal position
-            self.before_step(len(prompt_ids) + i)
-            token, logits = self.compiled_step(token, position)
-            position = position + 1
-            return token, logits
+    def position(self, prompt_tokens: int) -> torch.Tensor:
+        return torch.tensor([prompt_tokens], device=self.ctx.device.torch_device)
 
-        tokens, kept_logits = decode_loop(
-            token,
-            logits,
-            step,
-            max_new_tokens,
-            self.ctx.read_every or max_new_tokens,
-            lambda batch: torch.cat(batch).view(-1).tolist(),
-            on_tokens,
-            return_logits,
-        )
-        sync()
-        end = time.perf_counter()
-        stacked = torch.cat(kept_logits).float().cpu() if return_logits else None
-        return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
+    def advance(self, at: int, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.before_step(at)
+        token, logits = self.compiled_step(token, position)
+        return token, logits, position + 1
+
+    def to_host(self, batch: list[torch.Tensor]) -> list[int]:
+        return torch.cat(batch).view(-1).tolist()
+
+    def host_logits(self, kept: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(kept).float().cpu()
+
+    def close(self) -> None:
+        super().close()
+        self.compiled_step = self.packed_tables = None
 
     def describe(self) -> dict[str, Any]:
         weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights)}
-        if getattr(self, "int4", False):
+        if self.int4:
             weights.update(int4_kernel=int4.KERNELS[self.ctx.device.kind], int4_linears=self.int4_linears)
-        for path, table in getattr(self, "packed_tables", {}).items():
+        for path, table in self.packed_tables.items():
             rows, cols = table.shape
             weights[f"{path.rpartition('.')[2]}_bytes"] = table.packed.nbytes + table.scale.nbytes
             weights[f"{path.rpartition('.')[2]}_dense_bytes"] = rows * cols * self.ctx.dtype.itemsize
         return {
-            "backend": getattr(self, "backend", None),
+            "backend": self.backend,
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -7,8 +7,16 @@ only those (the stepping engines swap it in for every table they keep packed).
 
 from __future__ import annotations
 
-from decodebench.config import Table4EngineConfig
-from engines.compiled import CompiledEngine
+from dataclasses import dataclass
+
+from engines.compiled import CompiledEngine, CompiledEngineConfig
+
+
+@dataclass
+class Table4EngineConfig(CompiledEngineConfig):
+    """``compiled`` with the per-layer embedding table kept 4-bit (read from the -emb4 twin)."""
+
+    keeps_table_4bit = True
 
 
 class Table4Engine(CompiledEngine):

@@ -1,10 +1,13 @@
 """What is measured and how: one module per experiment, each ``run(cell) -> Result``.
 
-``EXPERIMENTS`` is the one registry: each entry names its function and its typed config, which
-``register_configs`` stores as the Hydra option ``experiment=<name>``. An experiment that also sets
-run-level defaults (``parity`` runs in float32) has a YAML file in ``conf/experiment/`` that includes
-its schema (``/schema/experiment/<name>``) and sets them. ``engine=False``: the experiment runs no
-engine (the runner builds none); ``model=False``: it reads no checkpoint either (``modes``).
+``EXPERIMENTS`` is the one registry: each entry names its function, its typed config (declared in the
+experiment's own module) and its headline (the cell's one printed line), and ``register_configs``
+stores the config as the Hydra option ``experiment=<name>``. An experiment that also sets run-level
+defaults (``parity`` runs in float32, ``serve`` decodes the Rust article's 100 tokens) has a YAML file
+in ``conf/experiment/`` that includes its schema (``/schema/experiment/<name>``) and sets them.
+``engine=False``: the experiment runs no engine (the runner opens none); ``model=False``: it reads no
+checkpoint either (``modes``). As with engines, the stored nodes are open to keys their class does not
+declare, so the runner can refuse such a key by name.
 """
 
 from __future__ import annotations
@@ -13,20 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
-from decodebench.config import (
-    DecodeExperimentConfig,
-    DefaultExperimentConfig,
-    DiagnoseExperimentConfig,
-    ExperimentConfig,
-    ModesExperimentConfig,
-    ParityExperimentConfig,
-    RecallExperimentConfig,
-    ServeExperimentConfig,
-)
+from decodebench.config import ExperimentConfig
+from decodebench.evidence import Record
 from experiments import decode, diagnose, modes, parity, recall, serve
 from experiments.cell import Cell
 from experiments.common import Result
+
+
+@dataclass
+class DefaultExperimentConfig(recall.RecallExperimentConfig):
+    """decode (with memory), then the recall prompts that fit the context."""
 
 
 def default(cell: Cell) -> Result:
@@ -38,23 +39,26 @@ def default(cell: Cell) -> Result:
 class Experiment:
     run: Callable[[Cell], Result]
     config: type[ExperimentConfig]
+    headline: Callable[[Record], str]  # an ok cell's one line
     run_defaults: bool = False  # True: conf/experiment/<name>.yaml sets run-level values too
     engine: bool = True  # False: runs no engine
     model: bool = True  # False: reads no checkpoint
 
 
 EXPERIMENTS: dict[str, Experiment] = {
-    "default": Experiment(default, DefaultExperimentConfig),
-    "decode": Experiment(decode.run, DecodeExperimentConfig),
-    "recall": Experiment(recall.run, RecallExperimentConfig),
-    "parity": Experiment(parity.run, ParityExperimentConfig, run_defaults=True),
-    "modes": Experiment(modes.run, ModesExperimentConfig, engine=False, model=False),
-    "diagnose": Experiment(diagnose.run, DiagnoseExperimentConfig, engine=False),
-    "serve": Experiment(serve.run, ServeExperimentConfig),
+    "default": Experiment(default, DefaultExperimentConfig, decode.headline),
+    "decode": Experiment(decode.run, decode.DecodeExperimentConfig, decode.headline),
+    "recall": Experiment(recall.run, recall.RecallExperimentConfig, recall.headline),
+    "parity": Experiment(parity.run, parity.ParityExperimentConfig, parity.headline, run_defaults=True),
+    "modes": Experiment(modes.run, modes.ModesExperimentConfig, modes.headline, engine=False, model=False),
+    "diagnose": Experiment(diagnose.run, diagnose.DiagnoseExperimentConfig, diagnose.headline, engine=False),
+    "serve": Experiment(serve.run, serve.ServeExperimentConfig, serve.headline, run_defaults=True),
 }
 
 
 def register_configs(cs: ConfigStore) -> None:
     for name, experiment in EXPERIMENTS.items():
-        node = experiment.config(name=name)
-        cs.store(group="schema/experiment" if experiment.run_defaults else "experiment", name=name, node=node)
+        node = OmegaConf.structured(experiment.config(name=name))
+        OmegaConf.set_struct(node, False)  # an unknown key composes, then is refused by name (runner)
+        group = "schema/experiment" if experiment.run_defaults else "experiment"
+        cs.store(group=group, name=name, node=node)

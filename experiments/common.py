@@ -1,4 +1,4 @@
-"""Pieces every experiment shares: the result it hands back, the prompt, the answer, quiet loading."""
+"""Pieces every experiment shares: the result it hands back, the answer, quiet loading."""
 
 from __future__ import annotations
 
@@ -39,16 +39,6 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         transformers_logging.set_verbosity(level)
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
-    """The prompt as the model reads it: through the chat template (which adds BOS), or BOS + text."""
-    if chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
 
 
 def answer(tokens: list[int], eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Experiment ``decode``: the articles' method for decode speed, first-call cost and memory.
 
 Timer boundaries (each between two ``device.sync()`` calls, wall clock):
-* ``load_s``: ``engine.load()`` — reading the checkpoint, dequantizing, placing it on the device.
+* ``load_s``: building the engine (``OpenEngine.load``): reading the checkpoint, dequantizing, placing it
+  on the device.
 * ``first_call_s``: the first ``generate`` of N tokens, compilation included.
 * ``warm_1_s`` / ``warm_n_s``: warm calls that write exactly 1 and N tokens (EOS ignored; another
   count fails the cell).
@@ -17,16 +18,32 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 
 from __future__ import annotations
 
-from decodebench.evidence import memory_peaks, samples, scalar
+from dataclasses import dataclass
+
+from decodebench.config import ExperimentConfig
+from decodebench.evidence import Record, memory_peaks, samples, scalar
 from engines.base import Generation
 from experiments.cell import Cell, MethodError
-from experiments.common import Result, answer, prompt_ids
+from experiments.common import Result, answer
+
+
+@dataclass
+class DecodeExperimentConfig(ExperimentConfig):
+    """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1)."""
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: its decode rate, the median of its pairs."""
+    rate = record.measurements["decode_tok_s"]
+    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
+    return f"decode {rate.central:.2f} tok/s median of {len(rate.values)}{synthetic}"
 
 
 def warm_pairs(
     cell: Cell, ids: list[int], expected: list[int]
 ) -> tuple[list[float], list[float], list[float], list[Generation]]:
-    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair, and each N-token call."""
+    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair, and each N-token call
+    (which must write ``expected``, the first call's tokens)."""
     n = cell.cfg.max_new_tokens
     warm_1, warm_n, rates, calls = [], [], [], []
     for _ in range(cell.cfg.repeats):
@@ -58,12 +75,12 @@ def phase_rates(cell: Cell, calls: list[Generation], result: Result) -> None:
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
-    cfg, device, engine = cell.cfg, cell.device, cell.engine
+    cfg, device = cell.cfg, cell.device
     n = cfg.max_new_tokens
     result = result or Result()
     result.timers.update(
         {
-            "load_s": "engine.load(), device.sync() before and after",
+            "load_s": "the engine's construction (OpenEngine.load), device.sync() before and after",
             "first_call_s": "first generate(N), compile included, device.sync() before and after",
             "warm_1_s": "warm generate(1), device.sync() before and after",
             "warm_n_s": "warm generate(N), EOS ignored, device.sync() before and after",
@@ -71,11 +88,11 @@ def run(cell: Cell, result: Result | None = None) -> Result:
             "decode_phase_tok_s": "(N-1) / decode_s, the engine's own timer inside each warm generate(N)",
         }
     )
-    cell.prepare()
-    ids = prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)
+    ids = cell.opened.encode(cfg.prompt)
     cell.require_fit(len(ids))
     device.reset_peak()
     cell.load()
+    engine = cell.engine
     after_load = device.memory_now()
 
     first, first_s = cell.timed_call(ids, n)
@@ -109,7 +126,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         warm_n_s=samples(warm_n, "s"),
         decode_tok_s=samples(rates, "tok/s", formula="(N-1)/(T_N-T_1)"),
         prompt_tokens=scalar(len(ids), "tok"),
-        new_tokens=scalar(n, "tok"),
+        max_new_tokens=scalar(n, "tok"),
         memory_after_load=after_load,
         memory_with_cache=with_cache,
         **memory_peaks(peaks),

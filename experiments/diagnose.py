@@ -36,13 +36,38 @@ from compressed_tensors.offload.dispatch import remove_dispatch
 from transformers import StaticCache
 
 from decodebench.checkpoint import load_tokenizer, load_transformers, resolve, stored_names
-from decodebench.config import ConfigError
+from decodebench.config import ConfigError, ExperimentConfig, at_least
 from decodebench.device import Device
-from decodebench.evidence import MemoryReading, scalar
+from decodebench.evidence import MemoryReading, Record, scalar
+from decodebench.prompts import prompt_ids
 from engines.compiled import dispatch_wrapped, forward_logits, forward_replaced, static_cache
 from engines.stepping import compile_backend
 from experiments.cell import Cell
-from experiments.common import Result, prompt_ids, quiet
+from experiments.common import Result, quiet
+
+
+@dataclass
+class DiagnoseExperimentConfig(ExperimentConfig):
+    """The article's claims about loading the repack through Transformers (article 003, Steps 3, 6, 7, 12).
+
+    ``backend``: what compiles the step whose first graph break is reported; TorchDynamo finds graph
+    breaks while it traces, before any backend runs, so ``eager`` finds the same break at a fraction
+    of the cost (``auto``: the device's own backend). ``cache_slots``: the StaticCache length asked
+    for in the Step 12 check (the article's 4,352).
+    """
+
+    backend: str = "eager"
+    cache_slots: int = 4352
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "cache_slots")
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: how many of the article's claims hold."""
+    held = sum(c["holds"] for c in record.outputs["claims"])
+    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
+    return f"diagnose: {held} of {len(record.outputs['claims'])} claims hold{synthetic}"
 
 ARTICLE_BREAK = ("Data pointer comparison", "compressed_tensors/offload/utils.py")  # Step 7's break and its file
 NO_BREAK = "no graph break"

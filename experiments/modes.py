@@ -35,14 +35,14 @@ import contextlib
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from decodebench.config import ConfigError
+from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
 from decodebench.device import Device, tpu_eager_mode
-from decodebench.evidence import samples, scalar
+from decodebench.evidence import Record, samples, scalar
 from engines.stepping import compile_backend, graph_counts
 from experiments.cell import Cell, timed
 from experiments.common import Result
@@ -50,6 +50,41 @@ from experiments.common import Result
 GRAPHS = "torch._dynamo counters stats.unique_graphs"
 ALIGN = 128  # the stack's side is a multiple of this (a TPU's matrix unit is 128 x 128)
 FUNCTION = "relu(x @ A) @ B"  # the compile-count probe's function: each row on its own, so padding rows changes none
+
+
+@dataclass
+class ModesExperimentConfig(ExperimentConfig):
+    """The device's execution modes on a stack of matrix multiplies; no model (article 003, Step 2 and its Tip).
+
+    The stack is ``layers`` products of square matrices whose side is chosen so that one step does
+    ``gflop`` GFLOP (the article's 275), divided by ``cpu_work_divisor`` on a CPU. ``steps``: timed warm
+    steps per mode (median). The compile-count probe runs a row-wise function of width ``probe_width``
+    at each of ``lengths`` rows, raw and padded up to a multiple of ``bucket``. The host-read probe runs
+    ``read_steps`` steps with one ``.item()`` after each, and without. ``backend``: as ``engine.backend``.
+    """
+
+    gflop: float = 275.0
+    layers: int = 16
+    cpu_work_divisor: int = 512
+    steps: int = 10
+    lengths: list[int] = field(default_factory=lambda: [37, 64, 100, 200])
+    bucket: int = 128
+    probe_width: int = 512
+    read_steps: int = 20
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "layers", "cpu_work_divisor", "steps", "bucket", "probe_width", "read_steps")
+        positive("experiment.", self, "gflop")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ConfigError(f"experiment.lengths={list(self.lengths)} must be one or more positive row counts")
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: each mode's warm step and the compile-count probe's summary."""
+    ran = [m["mode"] for m in record.outputs["modes"] if m["status"] == "ok"]
+    steps = ", ".join(f"{mode} {record.value(f'modes_{mode}_step_ms'):.2f} ms" for mode in ran)
+    return f"modes: step {steps}; {record.outputs['compile_count']['summary']}"
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
-from decodebench.evidence import samples, scalar
+from decodebench.config import ExperimentConfig, at_least
+from decodebench.evidence import Record, samples, scalar
 from engines.base import EngineLimit, Generation
 from experiments import recall_prompts
 from experiments.cell import Cell
@@ -28,10 +30,30 @@ from experiments.common import Result, answer
 CODE = re.compile(r"(?<!\d)(\d{6})(?!\d)")
 
 
+@dataclass
+class RecallExperimentConfig(ExperimentConfig):
+    """Numbered records fill the context; the model is asked for one code (experiments/recall_prompts).
+
+    ``repeats``: timed reads of each recall prompt (a long prompt's read already spans many pieces).
+    """
+
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "repeats")
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: the prompts that ran and each one's read rate."""
+    ran = [o for o in record.outputs["recall"] if o["status"] == "ok"]
+    rates = ", ".join(f"{o['prompt_tokens']} tok read at {o['read_tok_s']:.0f} tok/s" for o in ran)
+    return f"recall: {len(ran)} of {len(record.outputs['recall'])} prompts ran ({rates})"
+
+
 def fitting_targets(cell: Cell) -> tuple[list[int], dict[int, str]]:
     """Targets whose prompt the fit rule admits, capped at the model's positions; reasons for the rest."""
     cfg = cell.cfg
-    room = min(cfg.context, cell.engine.checkpoint.config.max_position_embeddings) - cfg.max_new_tokens
+    room = min(cfg.context, cell.opened.checkpoint.config.max_position_embeddings) - cfg.max_new_tokens
     fit, skipped = [], {}
     for target in recall_prompts.TARGETS:
         misfit = cell.misfit(target)
@@ -45,7 +67,7 @@ def fitting_targets(cell: Cell) -> tuple[list[int], dict[int, str]]:
 def read_and_decode(cell: Cell, ids: list[int]) -> tuple[float, Generation, float]:
     """One repeat on a recall prompt: (read seconds, the N-token generation, decode tok/s)."""
     n = cell.cfg.max_new_tokens
-    if cell.engine.splits_phases:
+    if cell.opened.cls.splits_phases:
         gen, _ = cell.timed_call(ids, n)
         return gen.read_s, gen, (n - 1) / gen.decode_s
     read_s, gen, total_s = cell.timed_pair(ids)
@@ -58,23 +80,22 @@ def parse_code(text: str) -> str | None:
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
-    cfg, engine = cell.cfg, cell.engine
+    cfg, opened = cell.cfg, cell.opened
     n = cfg.max_new_tokens
     method = (
         "engine phase timers in one generate(N): read_s to the first token, (N-1)/decode_s"
-        if engine.splits_phases
+        if opened.cls.splits_phases
         else "generate(1) for read_s, generate(N); (N-1)/(T_N - T_1)"
     )
     result = result or Result()
     result.timers.update(recall_read_s=method, recall_decode_tok_s=method)
-    cell.prepare()
     targets, skipped = fitting_targets(cell)
     prompts: list[recall_prompts.RecallPrompt] = []
     outcomes: list[dict[str, Any]] = [
         {"target_tokens": t, "status": "skipped", "reason": r} for t, r in skipped.items()
     ]
     for target in targets:
-        prompt = recall_prompts.build(engine.tokenizer, target, cfg.seed, cfg.chat_template)
+        prompt = recall_prompts.build(opened.tokenizer, target, cfg.seed, cfg.chat_template)
         misfit = cell.misfit(prompt.prompt_tokens)
         if misfit:
             outcomes.append({**prompt.evidence(), "status": "skipped", "reason": misfit.reason})
@@ -94,7 +115,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
             read_s, gen, rate = read_and_decode(cell, ids)
             reads.append(read_s)
             rates.append(rate)
-        said = answer(gen.tokens, engine.eos_ids, engine.tokenizer)
+        said = answer(gen.tokens, opened.eos_ids, opened.tokenizer)
         code = parse_code(said["text"])
         read_s = statistics.median(reads)
         outcomes.append(

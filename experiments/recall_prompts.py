@@ -22,7 +22,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from experiments.common import prompt_ids
+from decodebench.prompts import prompt_ids
 
 GENERATOR_VERSION = 1
 TARGETS = (64, 4096, 32768, 131072)

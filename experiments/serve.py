@@ -1,15 +1,16 @@
 """Experiment ``serve``: the Rust article's served measurements, through decodebench's own server.
 
 The cell's engine is loaded and called on the cell's thread, which then owns it while it serves
-(``decodebench.worker``); uvicorn runs on a thread of its own on a free loopback port, and the
+(``serving.worker``); uvicorn runs on a thread of its own on a free loopback port, and the
 official ``openai`` client runs the method on a third:
 
-0. bare: the ``decode`` experiment's method on this cell, at the server's ``read_every`` (max of the
-   run's and 1: a server streams): ``bare_decode_tok_s`` = (N-1)/(T_N - T_1) per repeat pair,
-   ``bare_phase_tok_s`` = (N-1)/decode_s from the engine's timers, N = ``experiment.max_tokens``.
+0. bare: the ``decode`` experiment's method on this cell (``decode.warm_pairs``), at the server's
+   ``read_every`` (max of the run's and 1: a server streams): ``bare_decode_tok_s`` = (N-1)/(T_N - T_1)
+   per repeat pair, ``bare_phase_tok_s`` = (N-1)/decode_s from the engine's timers, N = the run's
+   ``max_new_tokens`` (``experiment=serve`` sets it to the article's 100).
    The first N-token call (compile included) is the server's warm-up (``warmup_s``). Then one
    request through the server, not counted, warms its path.
-1. (a) ``requests`` non-streamed requests one at a time, the run's prompt, ``max_tokens``: per request
+1. (a) ``requests`` non-streamed requests one at a time, the run's prompt, ``max_tokens`` = N: per request
    the completion tokens and finish (usage field), the engine's read and decode seconds and
    ``engine_tok_s`` = (engine tokens - 1)/decode_s (the response's ``decodebench`` field), and the
    client's seconds around the call.
@@ -25,7 +26,7 @@ Request rate and output token throughput are per part: requests (tokens) over th
 ``served_over_bare`` = median served ``engine_tok_s`` / median ``bare_decode_tok_s``; ``client_over_bare``
 = median streamed ``client_tok_s`` / median ``bare_decode_tok_s``: the server's cost over the bare
 engine in the same cell. A screenshot of the chat page goes beside the evidence when a headless
-chromium is installed (``decodebench.browser``).
+chromium is installed (``serving.browser``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +42,65 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodebench import browser
-from decodebench.config import ConfigError
-from decodebench.evidence import samples, scalar
-from decodebench.serve import create_app, describe_engine, running
-from decodebench.worker import EngineWorker, Metrics
-from engines.base import EngineLimit
+from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
+from decodebench.evidence import Record, samples, scalar
 from experiments.cell import Cell, MethodError
-from experiments.common import Result, prompt_ids
+from experiments.common import Result
+from experiments.decode import warm_pairs
+from serving import browser
+from serving.server import create_app, describe_engine, running
+from serving.worker import EngineWorker, Metrics
 
 PERCENTILES = (50, 90, 99)
 MEASURED_FINISH = ("stop", "length")
 SCREENSHOT_S = 600.0  # the page's one reply of max_tokens, on the slowest engine here
+SERVE_PROMPTS = [
+    "Write a short paragraph about the ocean.",
+    "What is a TPU? Two sentences.",
+    "Name three uses of a ring buffer.",
+    "Explain greedy decoding in one sentence.",
+    "Write a haiku about memory bandwidth.",
+    "List four planets and one fact about each.",
+    "Why does a key-value cache speed up decoding?",
+    "Describe a lighthouse at night.",
+]
+
+
+@dataclass
+class ServeExperimentConfig(ExperimentConfig):
+    """The Rust article's served measurements through decodebench's OpenAI-compatible server.
+
+    (a) ``requests`` non-streamed requests one at a time with the run's prompt at ``max_new_tokens``;
+    (b) each of ``prompts`` streamed once (time to first token, inter-token latency, client tok/s);
+    (c) a stream dropped after ``cancel_after`` chunks must move the cancel counter by one and leave
+    the engine idle within ``idle_timeout_s`` seconds, else the cell fails. ``screenshot``: a picture of
+    the chat page beside the evidence when a headless chromium is installed.
+    """
+
+    requests: int = 5
+    prompts: list[str] = field(default_factory=lambda: list(SERVE_PROMPTS))
+    cancel_after: int = 10
+    idle_timeout_s: float = 30.0
+    screenshot: bool = True
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "requests")
+        at_least("experiment.", self, 2, "cancel_after", why=" chunks")
+        positive("experiment.", self, "idle_timeout_s")
+        if not self.prompts:
+            raise ConfigError("experiment.prompts is empty: the streamed part needs one prompt or more")
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: served and bare rates, the median TTFT and the cancel counter."""
+    served, bare = record.value("served_engine_tok_s"), record.value("bare_decode_tok_s")
+    engine_rate = f"{served:.2f} tok/s engine timer served" if served is not None else "no engine timer"
+    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
+    return (
+        f"serve: {engine_rate}, bare {bare:.2f} tok/s, TTFT median {record.value('ttft_s'):.3f} s, "
+        f"cancel counter {record.value('cancel_counter_before'):g} -> {record.value('cancel_counter_after'):g}"
+        f"{synthetic}"
+    )
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -68,47 +117,34 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
 
 
-def check_fit(cell: Cell, texts: list[str], max_tokens: int) -> list[list[int]]:
-    """Every prompt's ids; a cache too small for one of them plus ``max_tokens`` fails the cell."""
-    tokenizer, cfg = cell.engine.tokenizer, cell.cfg
-    all_ids = [prompt_ids(tokenizer, text, cfg.chat_template) for text in texts]
-    for text, ids in zip(texts, all_ids, strict=True):
-        if len(ids) + max_tokens > cfg.context:
-            raise ConfigError(
-                f"context={cfg.context} is too small: the prompt {text!r} is {len(ids)} tokens and "
-                f"experiment.max_tokens={max_tokens}, so the cache needs {len(ids) + max_tokens} slots"
-            )
-        limit = cell.engine.limit(len(ids), max_tokens)
-        if limit:
-            raise EngineLimit(limit)
+def check_fit(cell: Cell, texts: list[str]) -> list[list[int]]:
+    """Every prompt's ids, each held to the one fit rule with the run's ``max_new_tokens``."""
+    all_ids = [cell.opened.encode(text) for text in texts]
+    for ids in all_ids:
+        cell.require_fit(len(ids))
     return all_ids
 
 
-def bare(cell: Cell, ids: list[int], n: int) -> dict[str, Any]:
-    """The decode experiment's method at the server's read_every: warm-up, then ``repeats`` pairs."""
+def bare(cell: Cell, ids: list[int]) -> dict[str, Any]:
+    """The decode experiment's method at the server's read_every: a warm-up call, then ``repeats`` pairs."""
+    n = cell.cfg.max_new_tokens
     first, warmup_s = cell.timed_call(ids, n)
-    rates, phase = [], []
-    for _ in range(cell.cfg.repeats):
-        _, t1 = cell.timed_call(ids, 1)
-        gen, tn = cell.timed_call(ids, n)
-        if gen.tokens != first.tokens:
-            raise MethodError("a warm greedy call wrote different tokens from the first call")
-        rates.append((n - 1) / (tn - t1))
-        if gen.decode_s:
-            phase.append((n - 1) / gen.decode_s)
-    return {"warmup_s": warmup_s, "rates": rates, "phase": phase}
+    _, _, rates, calls = warm_pairs(cell, ids, first.tokens)
+    return {"warmup_s": warmup_s, "rates": rates, "phase": [(n - 1) / g.decode_s for g in calls if g.decode_s]}
 
 
 def messages(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def one_at_a_time(client: Any, model: str, prompt: str, exp: Any) -> tuple[list[dict[str, Any]], float]:
+def one_at_a_time(
+    client: Any, model: str, prompt: str, requests: int, max_tokens: int
+) -> tuple[list[dict[str, Any]], float]:
     """(a): the article's five requests; each row from the response's usage and ``decodebench`` fields."""
     rows, start = [], time.perf_counter()
-    for i in range(exp.requests):
+    for i in range(requests):
         sent = time.perf_counter()
-        r = client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=exp.max_tokens)
+        r = client.chat.completions.create(model=model, messages=messages(prompt), max_tokens=max_tokens)
         client_s = time.perf_counter() - sent
         ext = r.model_extra["decodebench"]
         finish = r.choices[0].finish_reason
@@ -201,7 +237,7 @@ def screenshot(cell: Cell, url: str) -> dict[str, Any]:
     if reason:
         return {"status": "skipped", "reason": reason}
     name = f"{cfg.sweep}/chat-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}.png"
-    page = f"{url}/?max_tokens={cfg.experiment.max_tokens}"
+    page = f"{url}/?max_tokens={cfg.max_new_tokens}"
     try:
         browser.chat_screenshot(page, cfg.prompt, Path(cfg.evidence_dir) / name, timeout_s=SCREENSHOT_S)
     except Exception as exc:  # a picture is not a measurement: the cell keeps its figures, the reason is kept
@@ -213,12 +249,12 @@ def clients(cell: Cell, url: str, model: str, worker: EngineWorker, room: int) -
     """The three parts with the official client, on the client thread."""
     from openai import OpenAI
 
-    cfg, exp = cell.cfg, cell.cfg.experiment
+    cfg, exp, n = cell.cfg, cell.cfg.experiment, cell.cfg.max_new_tokens
     client = OpenAI(base_url=f"{url}/v1", api_key="decodebench", max_retries=0, timeout=600)
-    client.chat.completions.create(model=model, messages=messages(cfg.prompt), max_tokens=exp.max_tokens)  # warm
-    rows, wall_a = one_at_a_time(client, model, cfg.prompt, exp)
+    client.chat.completions.create(model=model, messages=messages(cfg.prompt), max_tokens=n)  # warm
+    rows, wall_a = one_at_a_time(client, model, cfg.prompt, exp.requests, n)
     start = time.perf_counter()
-    streams = [streamed(client, model, text, exp.max_tokens, worker.read_every) for text in exp.prompts]
+    streams = [streamed(client, model, text, n, worker.read_every) for text in exp.prompts]
     wall_b = time.perf_counter() - start
     cancelled = cancel(client, url, model, cfg.prompt, room, exp, worker)
     return {"requests": rows, "wall_a": wall_a, "streams": streams, "wall_b": wall_b, "cancel": cancelled,
@@ -231,19 +267,17 @@ def median(values: list[float | None]) -> float | None:
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
-    cfg, exp, engine = cell.cfg, cell.cfg.experiment, cell.engine
+    cfg, exp = cell.cfg, cell.cfg.experiment
     result = result or Result()
-    cell.prepare()
-    ids, *_ = check_fit(cell, [cfg.prompt, *exp.prompts], exp.max_tokens)
+    ids, *_ = check_fit(cell, [cfg.prompt, *exp.prompts])
     cell.load()
+    engine = cell.engine
     read_every = max(cfg.read_every, 1)
     with engine.reading_every(read_every):
-        base = bare(cell, ids, exp.max_tokens)
-    served = describe_engine(
-        engine, cell.device, cfg.model.name, cfg.context, cell.load_s, base["warmup_s"], read_every
-    )
+        base = bare(cell, ids)
+    served = describe_engine(cell.opened, cfg.model.name, cell.load_s, base["warmup_s"], read_every)
     worker = EngineWorker(engine, Metrics(), read_every)
-    with running(create_app(served, worker, engine)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
+    with running(create_app(served, worker, cell.opened)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
         parts = pool.submit(clients, cell, url, served.model_id, worker, cfg.context - len(ids))
         worker.serve_until(parts.done)  # this thread built the engine: it serves until the clients are done
         out = parts.result()
@@ -268,7 +302,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         cancel_counter_after=scalar(out["cancel"]["counter_after"], "count"),
         cancel_idle_s=scalar(out["cancel"]["idle_s"], "s", method="client drop to cancel counted and engine idle"),
         prompt_tokens=scalar(len(ids), "tok"),
-        new_tokens=scalar(exp.max_tokens, "tok"),
+        max_new_tokens=scalar(cfg.max_new_tokens, "tok"),
     )
     optional = {
         "bare_phase_tok_s": (base["phase"], "tok/s", {"formula": "(N-1)/decode_s, engine timers"}),

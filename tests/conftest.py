@@ -9,8 +9,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from decodebench.device import resolve_device
 from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic
-from runner import register_configs
+from engines import engine_class
+from engines.open import OpenEngine, open_engine
+from runner import register_configs, typed_config
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -19,6 +22,12 @@ register_configs()
 def make_cfg(*overrides: str) -> DictConfig:
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def opened(*overrides: str) -> OpenEngine:
+    """The engine a composed cell names, opened through the one factory on the CPU (not yet loaded)."""
+    run = typed_config(make_cfg("device=cpu", *overrides))
+    return open_engine(run, resolve_device("cpu", engine_class(run.engine.name).framework))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from reports import aggregate, render
+from reports import render
+from reports.tables import cells
 from runner import run_cell
 from scripts.collect import collect, main
 from tests.conftest import REPO, make_cfg
@@ -68,7 +69,7 @@ def test_different_bytes_for_one_cell_are_both_kept_and_the_report_warns(cell_fi
     assert f"conflict: {src} kept as {kept}" in done.summary()
     assert collect(bucket, tmp_path / "runs").conflicting == []  # collecting again adds nothing
 
-    ev = aggregate.load(tmp_path / "runs", REPO)
+    ev = cells.load(tmp_path / "runs", REPO)
     assert len(ev.cells) == 3
     (warning,) = [w for w in ev.warnings if "different evidence files" in w]
     assert warning.startswith(f"sweep r: cell {cell_file.stem} has 3 different evidence files (hosts vm-a, vm-b)")
@@ -98,7 +99,7 @@ def test_a_copy_under_the_evidence_folder_is_read_once(cell_file, tmp_path):
     original = as_host(cell_file, runs / "r" / cell_file.name, "vm-a")
     (runs / "r" / "vm-a").mkdir()
     shutil.copy(original, runs / "r" / "vm-a" / cell_file.name)
-    assert len(aggregate.load(runs, REPO).cells) == 1
+    assert len(cells.load(runs, REPO).cells) == 1
 
 
 def test_the_command_line_refuses_a_missing_folder(tmp_path, capsys):

@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodebench.device import resolve_device
-from engines import ENGINES
-from engines.base import EngineContext
+from decodebench.layout import bucket_for
 from engines.int4 import Int4Embedding
-from engines.ring import bucket_for, grouped_attention
+from engines.ring import grouped_attention
 from runner import run_cell
-from tests.conftest import make_cfg
+from tests.conftest import opened
 
 COMPILED = ("engine.backend=eager",)
 
@@ -80,14 +78,8 @@ def test_read_every_changes_when_tokens_are_read_not_which(cell_cfg, tiny, read_
 
 
 def test_int4_lookup_equals_the_dequantized_table(tiny, cache_dir):
-    cfg = make_cfg(f"cache_dir={cache_dir}", "engine=table4", "dtype=float32")
-    ctx = EngineContext(cfg.engine, cfg.model, resolve_device("cpu"), torch.float32, 256, str(cache_dir))
-    table4 = ENGINES["table4"](ctx)
-    table4.prepare()
-    table4.load()
-    plain = ENGINES["generate"](ctx)
-    plain.prepare()
-    plain.load()
+    table4 = opened(f"cache_dir={cache_dir}", "engine=table4", "dtype=float32").load()
+    plain = opened(f"cache_dir={cache_dir}", "engine=generate", "dtype=float32").load()
     ids = torch.tensor([[0, 5, 4095, 17]])
     lookup = table4.model.model.embed_tokens_per_layer
     assert isinstance(lookup, Int4Embedding)

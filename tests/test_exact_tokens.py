@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from decodebench.checkpoint import load_model, load_tokenizer, open_checkpoint
+from decodebench.prompts import prompt_ids
 from engines.base import Generation
 from engines.generate import GenerateEngine, greedy_generate
-from experiments.common import prompt_ids
 from runner import run_cell
 from tests.conftest import make_cfg
 
@@ -81,7 +81,7 @@ def test_every_engine_writes_exactly_n_tokens_past_an_early_eos(cell_cfg, early_
     out, (_, _, expected, stop) = record["outputs"], early_eos
     assert out["generated_ids"] == expected and len(expected) == N  # Transformers' own greedy tokens
     assert out["answer_ids"] == expected[:stop] and out["finish_reason"] == "stop"
-    assert record["measurements"]["new_tokens"]["value"] == N
+    assert record["measurements"]["max_new_tokens"]["value"] == N
 
 
 def test_greedy_generate_ignores_the_models_own_eos(early_eos):

@@ -6,18 +6,17 @@ import torch
 
 from decodebench.checkpoint import load_reference, open_checkpoint
 from decodebench.device import resolve_device
-from engines.base import EngineContext
+from decodebench.prompts import prompt_ids
 from engines.generate import GenerateEngine
-from experiments.common import answer, prompt_ids
-from tests.conftest import make_cfg
+from experiments.common import answer
+from tests.conftest import make_cfg, opened
 
 
 def test_generate_matches_plain_transformers(tiny, cache_dir):
     cfg = make_cfg(f"cache_dir={cache_dir}", "dtype=float32")
     device = resolve_device("cpu")
-    engine = GenerateEngine(EngineContext(cfg.engine, cfg.model, device, torch.float32, 256, str(cache_dir)))
-    engine.prepare()
-    engine.load()
+    engine = opened(f"cache_dir={cache_dir}", "dtype=float32").load()
+    assert isinstance(engine, GenerateEngine)
     ids = prompt_ids(engine.tokenizer, cfg.prompt, chat_template=True)
     assert ids[0] == engine.tokenizer.bos_token_id
     ours = engine.generate(ids, 24, return_logits=True)

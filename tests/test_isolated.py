@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from decodebench import exit_status
-from decodebench.config import ConfigError, validate_sweep_engines
+from decodebench.config import ConfigError
+from runner import validate_sweep_engines
 from tests.conftest import REPO
 
 CELL = ("model=tiny", "experiment=decode", "max_new_tokens=4", "repeats=1", "device=cpu", "sweep=iso")

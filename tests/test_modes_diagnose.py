@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import runner
 from decodebench import evidence
-from engines.base import Engine
 from reports import article_tables, published, render
 from runner import run_cell
 from tests.conftest import REPO
@@ -77,10 +77,10 @@ def test_modes_cell_reads_no_model_and_writes_valid_evidence(cells):
 
 
 def test_modes_never_prepares_an_engine(cell_cfg, monkeypatch):
-    def refuse(self):
+    def refuse(*args):
         raise AssertionError("modes must not look for a checkpoint")
 
-    monkeypatch.setattr(Engine, "prepare", refuse)
+    monkeypatch.setattr(runner, "open_engine", refuse)
     ok(run_cell(cell_cfg(*SMALL_MODES, "experiment.lengths=[3]", "model=e2b-synthetic")))
 
 

@@ -11,10 +11,8 @@ import time
 import pytest
 import torch
 
-from decodebench.device import resolve_device
-from engines.base import EngineContext
 from engines.rust_engine import RustEngine
-from tests.conftest import make_cfg
+from tests.conftest import opened
 
 if os.environ.get("CI"):  # CI builds the crate in `make setup`: a missing module is a failure there
     import decodebench_rs
@@ -24,10 +22,8 @@ else:
 
 @pytest.fixture(scope="module")
 def engine(tiny, cache_dir):
-    cfg = make_cfg(f"cache_dir={cache_dir}", "engine=rust", "dtype=float32")
-    eng = RustEngine(EngineContext(cfg.engine, cfg.model, resolve_device("cpu"), torch.float32, 1024, str(cache_dir)))
-    eng.prepare()
-    eng.load()
+    eng = opened(f"cache_dir={cache_dir}", "engine=rust", "dtype=float32", "context=1024").load()
+    assert isinstance(eng, RustEngine)
     return eng
 
 

@@ -1,4 +1,4 @@
-"""The server (decodebench/serve.py) over a tiny ring engine, driven by the official openai client:
+"""The server (serving/, serve.py) over a tiny ring engine, driven by the official openai client:
 every endpoint streamed and not, bad input, cancel on disconnect, one engine thread, Prometheus
 text, the chat page in Debian's headless chromium, the CLI, and the engines' streaming hook."""
 
@@ -19,15 +19,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodebench import browser, evidence
-from decodebench.device import resolve_device
-from decodebench.serve import create_app, describe_engine, running
-from decodebench.worker import EngineWorker, Metrics
-from engines import ENGINES
-from engines.base import EngineContext
+from decodebench import evidence
+from engines.open import OpenEngine
 from reports import render
 from runner import run_cell
-from tests.conftest import REPO, make_cfg
+from serving import browser
+from serving.server import create_app, describe_engine, running
+from serving.worker import EngineWorker, Metrics
+from tests.conftest import REPO, opened
 
 MODEL = "tiny"
 
@@ -49,14 +48,11 @@ class Paced:
         return self.engine.generate(ids, n, on_tokens=paced if on_tokens else None, **kwargs)
 
 
-def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> Any:
-    cfg = make_cfg(f"cache_dir={cache_dir}", f"engine={engine}", "device=cpu", *extra)
-    device = resolve_device("cpu", ENGINES[engine].framework)
-    ctx = EngineContext(cfg.engine, cfg.model, device, cfg.dtype.torch, cfg.context, cfg.cache_dir, read_every)
-    built = ENGINES[engine](ctx)
-    built.prepare()
-    built.load()
-    return built, device, cfg
+def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine:
+    """The engine opened through the one factory and loaded, reading tokens every ``read_every``."""
+    engine = opened(f"cache_dir={cache_dir}", f"engine={engine}", f"read_every={read_every}", *extra)
+    engine.load()
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +61,13 @@ def server(cache_dir, tiny):
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
-        engine, device, cfg = load(cache_dir, "ring", 1, "engine.backend=eager")
-        engine.generate([2, 3, 4], 3)  # warm-up
-        paced = Paced(engine)
+        ring = load(cache_dir, "ring", 1, "engine.backend=eager")
+        ring.engine.generate([2, 3, 4], 3)  # warm-up
+        paced = Paced(ring.engine)
         state.update(
+            opened=ring,
             paced=paced,
-            served=describe_engine(engine, device, MODEL, cfg.context, 0.0, 0.0, 1),
+            served=describe_engine(ring, MODEL, 0.0, 0.0, 1),
             worker=EngineWorker(paced, Metrics(), read_every=1),
         )
         ready.set()
@@ -79,7 +76,7 @@ def server(cache_dir, tiny):
     thread = threading.Thread(target=engine_thread, name="test-engine", daemon=True)
     thread.start()
     assert ready.wait(300), "the engine thread did not start"
-    with running(create_app(state["served"], state["worker"], state["paced"])) as url:
+    with running(create_app(state["served"], state["worker"], state["opened"])) as url:
         state["url"] = url
         yield state
     stop.set()
@@ -256,7 +253,7 @@ def test_chat_page_streams_carries_the_conversation_and_stop_cancels(server):
 
 
 def test_the_cli_serves_until_interrupted(cache_dir, tiny):
-    command = [sys.executable, "-m", "decodebench.serve", "engine=ring", "engine.backend=eager",
+    command = [sys.executable, "serve.py", "engine=ring", "engine.backend=eager",
                f"cache_dir={cache_dir}", "device=cpu", "serve.port=0", "max_new_tokens=4"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -279,7 +276,7 @@ def test_the_cli_serves_until_interrupted(cache_dir, tiny):
 def test_the_streaming_hook_hands_over_batches_and_stops(cache_dir, tiny, engine):
     if engine in ("rust", "jax"):
         pytest.importorskip({"rust": "decodebench_rs", "jax": "jax"}[engine])
-    built, _, _ = load(cache_dir, engine, 3, *(("engine.backend=eager",) if engine == "ring" else ()))
+    built = load(cache_dir, engine, 3, *(("engine.backend=eager",) if engine == "ring" else ())).engine
     ids = [2, 10, 11, 12]
     bare = built.generate(ids, 10).tokens
     batches: list[list[int]] = []
@@ -299,7 +296,7 @@ def test_the_streaming_hook_hands_over_batches_and_stops(cache_dir, tiny, engine
 def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg, tiny, tmp_path):
     prompts = "experiment.prompts=['Hello','Why is the sky blue']"
     cfg = cell_cfg("engine=ring", "engine.backend=eager", "experiment=serve", "experiment.requests=2",
-                   "experiment.max_tokens=12", prompts, "repeats=1")  # fmt: skip
+                   "max_new_tokens=12", prompts, "repeats=1")  # fmt: skip
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]
     evidence.validate(record)

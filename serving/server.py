@@ -1,8 +1,5 @@
-"""An OpenAI-compatible server over any decodebench engine, and ``python -m decodebench.serve``.
-
-``python -m decodebench.serve engine=ring model=tiny serve.port=8000`` composes the same Hydra config
-as ``run.py`` (plus ``serve.host``, default 127.0.0.1, and ``serve.port``), loads the engine, runs one
-warm-up decode, then serves until Ctrl-C:
+"""An OpenAI-compatible server over any decodebench engine (``serve.py`` runs it from the command line;
+``experiment=serve`` measures through it):
 
 * ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events) or not.
   Decoding is greedy (sampling fields are accepted and ignored); ``max_tokens`` (default: what the
@@ -16,7 +13,7 @@ warm-up decode, then serves until Ctrl-C:
 
 Bad input (malformed JSON, an empty message list, ``max_tokens`` < 1, a prompt that does not fit the
 cache, an unknown model) gets a 4xx with an OpenAI-shaped error body and the server keeps serving.
-The engine is owned by the thread that built it (``decodebench.worker``); uvicorn and the event loop
+The engine is owned by the thread that built it (``serving.worker``); uvicorn and the event loop
 run on a thread of their own and never call the model. A client that goes away mid-stream cancels
 its decode at the engine's next batch.
 """
@@ -26,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -35,23 +31,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import hydra
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from omegaconf import DictConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from decodebench.device import Device
 from decodebench.environment import capture
-from decodebench.worker import EngineWorker, Finished, Job, Metrics
-from engines.base import Engine
+from decodebench.prompts import chat_ids, text_ids
+from engines.open import OpenEngine
+from serving.worker import EngineWorker, Finished, Job
 
 CHAT_PAGE = Path(__file__).resolve().parent / "chat.html"
-REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 30.0  # how long ``running`` waits for uvicorn to listen
 
 
@@ -109,28 +102,29 @@ class Served:
 
 
 def describe_engine(
-    engine: Engine, device: Device, model_id: str, context: int, load_s: float | None, warmup_s: float | None,
-    read_every: int,
-) -> Served:  # fmt: skip
-    """Called on the engine's own thread (``describe`` may touch an unsendable engine)."""
-    assert engine.checkpoint is not None and engine.tokenizer is not None
+    opened: OpenEngine, model_id: str, load_s: float | None, warmup_s: float | None, read_every: int
+) -> Served:
+    """What the server says of its loaded engine; called on the engine's own thread (``describe`` may
+    touch an unsendable engine)."""
+    engine, device = opened.load(), opened.ctx.device
     env = capture(device)
     info = {
-        "engine": engine.name,
+        "engine": opened.name,
         "engine_class": f"{type(engine).__name__}, owned by thread {threading.current_thread().name}",
         "model": model_id,
-        "checkpoint": engine.checkpoint.provenance,
+        "checkpoint": opened.checkpoint.provenance,
         "device": {"kind": device.kind, "name": device.name},
         "versions": {"python": env["python"], "rustc": env["rustc"], **env["packages"]},
         "load_s": load_s,
         "warmup_s": warmup_s,
-        "context": context,
+        "context": opened.ctx.context,
         "read_every": read_every,
-        "eos_ids": engine.eos_ids,
+        "eos_ids": opened.eos_ids,
         "decoding": "greedy",
         "layout": engine.describe(),
     }
-    return Served(model_id, engine.tokenizer, engine.eos_ids, context, info, f"decodebench-{engine.name}-greedy")
+    return Served(model_id, opened.tokenizer, opened.eos_ids, opened.ctx.context, info,
+                  f"decodebench-{opened.name}-greedy")  # fmt: skip
 
 
 class Detokenizer:
@@ -151,16 +145,8 @@ class Detokenizer:
         return delta
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
-    """The conversation through the checkpoint's chat template, ready for the model's turn."""
-    ids = tokenizer.apply_chat_template(
-        [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
-def create_app(served: Served, worker: EngineWorker, engine: Engine) -> FastAPI:
-    """The FastAPI app; ``engine`` is read only for its fit rule (``limit``, pure Python), never called."""
+def create_app(served: Served, worker: EngineWorker, opened: OpenEngine) -> FastAPI:
+    """The FastAPI app; ``opened`` is read only for its fit rule (pure Python), its engine never called."""
     app = FastAPI(title="decodebench", docs_url=None, redoc_url=None)
     metrics = worker.metrics
     app.state.served, app.state.worker = served, worker
@@ -187,18 +173,11 @@ def create_app(served: Served, worker: EngineWorker, engine: Engine) -> FastAPI:
             raise APIError(404, f"model {model!r} does not exist; this server serves {served.model_id!r}",
                            param="model", code="model_not_found")  # fmt: skip
         room = served.context - len(ids)
-        budget = room if max_tokens is None else max_tokens
-        if budget < 1 or budget > room:
-            raise APIError(
-                400,
-                f"this server's cache holds {served.context} tokens; the prompt is {len(ids)} tokens and "
-                f"max_tokens={budget}, which needs {len(ids) + budget}",
-                param="messages" if room < 1 else "max_tokens",
-                code="context_length_exceeded",
-            )
-        limit = engine.limit(len(ids), budget)
-        if limit:
-            raise APIError(400, limit, param="max_tokens", code="context_length_exceeded")
+        budget = max(room, 1) if max_tokens is None else max_tokens
+        misfit = opened.misfit(len(ids), budget, "max_tokens")
+        if misfit:
+            param = "messages" if room < 1 else "max_tokens"
+            raise APIError(400, misfit.reason, param=param, code="context_length_exceeded")
         return budget
 
     async def events(job: Job, request: Request) -> AsyncIterator[list[int] | Finished]:
@@ -288,14 +267,14 @@ def create_app(served: Served, worker: EngineWorker, engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        ids = chat_ids(served.tokenizer, body.messages)
+        ids = chat_ids(served.tokenizer, [m.model_dump() for m in body.messages])
         budget = admit(body.model, ids, body.max_completion_tokens or body.max_tokens)
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await complete("chat", request, ids, budget, body.stream, include)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ids = [served.tokenizer.bos_token_id, *served.tokenizer.encode(body.prompt, add_special_tokens=False)]
+        ids = text_ids(served.tokenizer, body.prompt)
         budget = admit(body.model, ids, body.max_tokens)
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await complete("text", request, ids, budget, body.stream, include)
@@ -347,48 +326,3 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-@hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")
-def main(cfg: DictConfig) -> None:
-    """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C."""
-    from decodebench.config import ConfigError, validate
-    from decodebench.device import resolve_device
-    from engines import engine_class
-    from engines.base import EngineContext
-    from experiments.cell import timed
-    from experiments.common import prompt_ids, quiet
-
-    validate(cfg)
-    if not 0 <= cfg.serve.port <= 65535:
-        raise ConfigError(f"serve.port={cfg.serve.port} must be 0 (a free port) to 65535")
-    engine_cls = engine_class(cfg.engine.name)
-    device = resolve_device(cfg.device.kind, engine_cls.framework)
-    reason = engine_cls.unsupported_reason(device, cfg)
-    if reason:
-        sys.exit(f"engine {cfg.engine.name} cannot run here: {reason}")
-    read_every = max(cfg.read_every, 1)
-    engine = engine_cls(
-        EngineContext(cfg.engine, cfg.model, device, cfg.dtype.torch, cfg.context, cfg.cache_dir, read_every)
-    )
-    with quiet():
-        engine.prepare()
-        _, load_s = timed(device, engine.load)
-        ids = prompt_ids(engine.tokenizer, cfg.prompt, cfg.chat_template)
-        _, warmup_s = timed(device, lambda: engine.generate(ids, min(cfg.max_new_tokens, cfg.context - len(ids))))
-    served = describe_engine(engine, device, cfg.model.name, cfg.context, load_s, warmup_s, read_every)
-    worker = EngineWorker(engine, Metrics(), read_every)
-    with running(create_app(served, worker, engine), cfg.serve.host, cfg.serve.port) as url:
-        print(f"decodebench serving {cfg.engine.name} / {cfg.model.name} at {url}/v1 (chat page: {url}/); "
-              f"load {load_s:.2f} s, warm-up {warmup_s:.2f} s", flush=True)  # fmt: skip
-        try:
-            worker.serve_until(lambda: False)
-        except KeyboardInterrupt:
-            print("decodebench: stopped", flush=True)
-
-
-if __name__ == "__main__":
-    from runner import register_configs
-
-    register_configs()
-    main()

@@ -1,6 +1,6 @@
 """One thread owns the engine: requests queue to it and it decodes them one at a time.
 
-The HTTP side (``decodebench.serve``) never calls the engine. It submits a ``Job`` and reads the
+The HTTP side (``serving.server``) never calls the engine. It submits a ``Job`` and reads the
 job's events (token batches, then the ``Finished`` record) from an asyncio queue that this worker
 fills with ``loop.call_soon_threadsafe``, so the event loop never waits on the model. The worker is
 no thread of its own: ``serve_until`` runs on whichever thread built the engine (the Rust engine is

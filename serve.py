@@ -1,0 +1,60 @@
+"""``python serve.py engine=ring model=tiny serve.port=8000``: the OpenAI-compatible server (``serving``)
+over one engine, from the command line.
+
+It composes the same Hydra config as ``run.py`` (plus ``serve.host``, default 127.0.0.1, and
+``serve.port``), opens and loads the engine through the one factory (``engines.open``) on this, the
+main, thread, runs one warm-up decode, then serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from decodebench.config import ConfigError
+from decodebench.device import resolve_device
+from engines import engine_class
+from engines.base import EngineLimit
+from engines.open import open_engine
+from experiments.cell import timed
+from experiments.common import quiet
+from runner import register_configs, typed_config
+from serving.server import create_app, describe_engine, running
+from serving.worker import EngineWorker, Metrics
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C."""
+    try:
+        run = typed_config(cfg)
+        device = resolve_device(run.device.kind, engine_class(run.engine.name).framework)
+        opened = open_engine(run, device)
+    except (ConfigError, EngineLimit) as exc:
+        sys.exit(f"engine {cfg.engine.name} cannot serve here: {exc}")
+    read_every = max(run.read_every, 1)  # a server streams: every batch of read_every tokens goes out at once
+    with quiet():
+        _, load_s = timed(device, opened.load)
+        engine = opened.engine
+        ids = opened.encode(run.prompt)
+        with engine.reading_every(read_every):
+            _, warmup_s = timed(device, lambda: engine.generate(ids, min(run.max_new_tokens, run.context - len(ids))))
+    served = describe_engine(opened, run.model.name, load_s, warmup_s, read_every)
+    worker = EngineWorker(engine, Metrics(), read_every)
+    with running(create_app(served, worker, opened), run.serve.host, run.serve.port) as url:
+        print(f"decodebench serving {run.engine.name} / {run.model.name} at {url}/v1 (chat page: {url}/); "
+              f"load {load_s:.2f} s, warm-up {warmup_s:.2f} s", flush=True)  # fmt: skip
+        try:
+            worker.serve_until(lambda: False)
+        except KeyboardInterrupt:
+            print("decodebench: stopped", flush=True)
+        finally:
+            opened.close()
+
+
+if __name__ == "__main__":
+    main()
