@@ -55,9 +55,10 @@ report: setup
 sweep: setup
 	$(BIN)/python run.py -m engine=$(ENGINES) model=e2b-synthetic max_new_tokens=16 repeats=1 sweep=$(SWEEP)
 
+# The suite on every core (pytest-xdist), each test module on one worker so module fixtures are built once.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadscope
 
 # One E2B-shaped linear, dense bf16 against int4, on this machine's device (pytest-benchmark); its JSON
 # goes under evidence/bench/, where `make report` reads it.

@@ -21,7 +21,7 @@ from decodebench.checkpoint import CheckpointError
 from decodebench.config import ConfigError, RunConfig, host_folder, validate_sweep
 from decodebench.config import register_configs as register_core
 from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device, tpu_present
-from decodebench.environment import capture
+from decodebench.environment import Contention, capture
 from engines import ENGINES, engine_class, takers
 from engines import register_configs as register_engines
 from engines.base import EngineLimit
@@ -146,18 +146,22 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
         record.environment = capture(device)
         record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
-        if engine_cls is None:
-            keep(record, experiment.run(Cell(run, device, None)))
-        else:
-            opened = open_engine(run, device)
-            record.model = {**record.model, **opened.checkpoint.provenance}
-            try:
-                result = experiment.run(Cell(run, device, opened))
-            finally:
-                if opened.engine is not None:
-                    record.engine = opened.engine.describe()
-                opened.close()
-            keep(record, result)
+        contention = Contention()
+        try:
+            if engine_cls is None:
+                keep(record, experiment.run(Cell(run, device, None)))
+            else:
+                opened = open_engine(run, device)
+                record.model = {**record.model, **opened.checkpoint.provenance}
+                try:
+                    result = experiment.run(Cell(run, device, opened))
+                finally:
+                    if opened.engine is not None:
+                        record.engine = opened.engine.describe()
+                    opened.close()
+                keep(record, result)
+        finally:
+            record.environment["contention"] = contention.measure()
     except (EngineLimit, DeviceHeld) as exc:  # cannot run here: skipped, with the reason
         record.status, record.reason = "skipped", str(exc)
     except EXPECTED as exc:

@@ -186,7 +186,8 @@ class RunConfig:
     context: int = 256
     max_new_tokens: int = 64
     read_every: int = 0  # stepping engines: read tokens to the host every k tokens; 1 = streaming, 0 = at the end
-    repeats: int = 2
+    repeats: int = 5  # timed pairs per cell: enough for a median's 95% interval to leave out the extremes
+    replica: int = 0  # an A/A copy of a cell: a sweep measures its own noise with replica=0,1 as its first axis
     seed: int = 0
     dtype: DType = DType.bfloat16
     prompt: str = DEFAULT_PROMPT
@@ -204,6 +205,7 @@ class RunConfig:
         host_folder(self.host)
         at_least("", self, 2, "max_new_tokens", why=" (decode rate needs N-1 > 0)")
         at_least("", self, 1, "repeats")
+        at_least("", self, 0, "replica")
         positive("", self, "context")
         if self.read_every < 0:
             raise ConfigError(f"read_every={self.read_every} must be 0 (read at the end) or a positive token count")

@@ -1,14 +1,26 @@
-"""What a run ran on: host, library versions, device, CPU, git state and time, for every evidence file."""
+"""What a run ran on, enough for a stranger to re-run a cell: host, CPU model and flags, cores and threads,
+the environment variables that change speed, library and driver versions, device, git state (with a
+hash of any uncommitted change) and time, for every evidence file; and what else used the machine
+while the cell ran (``Contention``).
+
+``fingerprint`` names the environment class a figure belongs to (CPU model and flags, cores, device,
+software stack): the report never pools cells whose fingerprints differ.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
+import re
+import resource
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,9 +35,19 @@ PACKAGES = (
     "compressed-tensors",
     "jax",
     "jaxlib",
+    "numpy",
+    "scipy",
+    "tokenizers",
+    "safetensors",
+    "hydra-core",
     "decodebench_rs",
 )
 REPO = Path(__file__).resolve().parents[1]
+# Environment variables that change how fast a kernel runs, by prefix (thread pools, compilers, devices).
+SPEED_VARIABLES = ("OMP_", "MKL_", "OPENBLAS_", "XLA_FLAGS", "TORCHINDUCTOR_", "TORCH_", "CUDA_VISIBLE_DEVICES",
+                   "TPU_", "JAX_", "PJRT_", "LIBTPU_")  # fmt: skip
+SPEED_FLAGS = re.compile(r"^(avx2|avx512.*|amx.*|.*bf16.*|fma|f16c)$")  # CPU flags that decide which kernels run
+CONTENDED_CORES = 0.25  # other processes' average busy cores above which a cell is contended
 
 
 def _version(package: str) -> str | None:
@@ -52,20 +74,121 @@ def _rustc() -> str | None:
         return None
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's flags that decide which kernels run (AVX2, AVX-512, AMX, bf16, FMA), from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return sorted({f for f in line.partition(":")[2].split() if SPEED_FLAGS.match(f)})
+
+
+def threads() -> dict[str, int | None]:
+    """Cores this process may use and the thread pools the frameworks run with."""
+    import torch
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"cpu_count": os.cpu_count(), "usable_cores": usable, "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads()}  # fmt: skip
+
+
+def drivers() -> dict[str, str | None]:
+    """CUDA and accelerator driver versions where present (null elsewhere)."""
+    import torch
+
+    driver = None
+    if shutil.which("nvidia-smi"):
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            driver = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            driver = None
+    return {"cuda": torch.version.cuda, "nvidia_driver": driver, "libtpu": _version("libtpu")}
+
+
+def git_state() -> dict[str, Any]:
+    """HEAD, whether anything differs from it (tracked or untracked), and a hash of that difference:
+    the diff against HEAD plus each untracked file's name and bytes."""
+    status = _git("status", "--porcelain", "--untracked-files=normal")
+    dirty = bool(status) if status is not None else None
+    digest = None
+    if dirty:
+        h = hashlib.sha256((_git("diff", "HEAD", "--binary") or "").encode())
+        for name in sorted((_git("ls-files", "--others", "--exclude-standard") or "").splitlines()):
+            h.update(name.encode())
+            path = REPO / name
+            if path.is_file():
+                h.update(path.read_bytes())
+        digest = h.hexdigest()[:16]
+    return {"git_sha": _git("rev-parse", "HEAD"), "git_dirty": dirty, "git_diff_sha256_16": digest}
+
+
+def fingerprint(env: dict[str, Any]) -> str:
+    """The environment class of a figure: CPU model and flags, usable cores, device, Python and packages."""
+    key = {k: env.get(k) for k in ("cpu_model", "cpu_flags", "device_kind", "device_name", "python", "packages")}
+    key["cores"] = (env.get("threads") or {}).get("usable_cores")
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def capture(device: Device | None) -> dict[str, Any]:
     """The environment block of an evidence file; absent packages are recorded as null."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {
+    env = {
         "python": sys.version.split()[0],
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "packages": {p: _version(p) for p in PACKAGES},
         "rustc": _rustc(),
+        "drivers": drivers(),
         "device_kind": device.kind if device else None,
         "device_name": device.name if device else None,
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "threads": threads(),
+        "speed_variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SPEED_VARIABLES)},
         "process": {"pid": os.getpid(), "accelerator_owners": dict(ACCELERATOR_OWNERS)},
-        "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
+        **git_state(),
         "utc_time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    env["fingerprint"] = fingerprint(env)
+    return env
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every process on the machine has spent busy since boot (/proc/stat), or None."""
+    try:
+        fields_ = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields_[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU seconds this process and its waited-for children have used (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class Contention:
+    """What else used the machine while a cell ran: every process's busy CPU time (/proc/stat) less this
+    process's own (and its children's), over the cell's wall time, as average busy cores; and the load
+    average at the start and the end. A cell is ``contended`` when other processes kept more than
+    ``threshold_cores`` busy on average. Accelerators' other users are not visible here (null)."""
+
+    def __init__(self, threshold_cores: float = CONTENDED_CORES) -> None:
+        self.threshold_cores = threshold_cores
+        self.start = (time.monotonic(), _busy_seconds(), _own_seconds())
+        self.load_start = list(os.getloadavg())
+
+    def measure(self) -> dict[str, Any]:
+        """The block ``environment.contention`` of the cell's evidence, from the start up to now."""
+        start, busy_start, own_start = self.start
+        wall, busy, own = time.monotonic() - start, _busy_seconds(), _own_seconds() - own_start
+        other = None if busy is None or busy_start is None else max(busy - busy_start - own, 0.0)
+        cores = None if other is None or wall <= 0 else other / wall
+        return {"wall_s": wall, "own_cpu_s": own, "other_cpu_s": other, "other_cores": cores,
+                "threshold_cores": self.threshold_cores, "load_avg_start": self.load_start,
+                "load_avg_end": list(os.getloadavg()), "accelerator_other_users": None,
+                "contended": None if cores is None else cores > self.threshold_cores}  # fmt: skip

@@ -19,6 +19,8 @@ from typing import Any
 
 import jsonschema
 
+from decodebench.stats import median_interval
+
 SCHEMA_VERSION = "1.0"
 BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's file has no kind
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
@@ -45,7 +47,8 @@ class Scalar:
 
 @dataclass(frozen=True)
 class Samples:
-    """Raw repeats with their median, min, max and n."""
+    """Raw repeats with their median, min, max, n and the median's bootstrap 95% interval
+    (``ci95``: [low, high], nulls below two repeats; ``decodebench.stats``)."""
 
     values: list[float]
     unit: str
@@ -57,8 +60,9 @@ class Samples:
 
     def to_json(self) -> dict[str, Any]:
         v = list(self.values)
+        ci = median_interval(v)
         return {"unit": self.unit, "values": v, "median": self.central, "min": min(v), "max": max(v), "n": len(v),
-                **self.extra}  # fmt: skip
+                "ci95": [ci.low, ci.high], **self.extra}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ cell's evidence records the measurement it used, with the file it came from.
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import asdict
 from pathlib import Path
@@ -43,12 +44,18 @@ def facts(hardware_cfg: HardwareConfig, device: Device) -> dict[str, Any]:
 
 
 def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
-    """This host's measured memory bandwidth for ``sweep``: measured by the first cell, then reused."""
+    """This host's measured memory bandwidth for ``sweep`` on this device: measured by the first cell, then
+    reused. The file is named by host, device kind and device name, and a reused file must say the same
+    host and device (else it is measured again: a copied cache never lends another machine's figure)."""
     host = socket.gethostname()
-    path = Path(cache_dir) / "bandwidth" / sweep / f"{host}-{device.kind}.json"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", device.name).strip("-") or device.kind
+    path = Path(cache_dir) / "bandwidth" / sweep / f"{host}-{device.kind}-{name}.json"
     if path.is_file():
-        return {**evidence.read(path), "file": str(path)}
-    measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "host": host, "device": device.name}
+        kept = evidence.read(path)
+        if kept.get("host") == host and kept.get("device") == device.name and kept.get("device_kind") == device.kind:
+            return {**kept, "file": str(path)}
+    measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "host": host, "device": device.name,
+                "device_kind": device.kind}  # fmt: skip
     evidence.write_atomic(path, measured)
     return {**measured, "file": str(path)}
 

@@ -94,8 +94,9 @@ class Cell:
     def timed_call(self, ids: list[int], n: int) -> tuple[Generation, float]:
         return timed(self.device, lambda: self.call(ids, n))
 
-    def timed_pair(self, ids: list[int]) -> tuple[float, Generation, float]:
-        """A warm 1-token call and a warm N-token call on ``ids``: (T_1, the N-token generation, T_N)."""
+    def timed_pair(self, ids: list[int], n: int | None = None) -> tuple[float, Generation, float]:
+        """A warm 1-token call and a warm N-token call on ``ids`` (N: ``n`` or the run's ``max_new_tokens``):
+        (T_1, the N-token generation, T_N)."""
         _, t1 = self.timed_call(ids, 1)
-        gen, tn = self.timed_call(ids, self.cfg.max_new_tokens)
+        gen, tn = self.timed_call(ids, n or self.cfg.max_new_tokens)
         return t1, gen, tn

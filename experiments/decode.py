@@ -19,6 +19,7 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from decodebench.config import ExperimentConfig
 from decodebench.evidence import Record, memory_peaks, samples, scalar
@@ -33,28 +34,53 @@ class DecodeExperimentConfig(ExperimentConfig):
 
 
 def headline(record: Record) -> str:
-    """The cell's one line: its decode rate, the median of its pairs."""
-    rate = record.measurements["decode_tok_s"]
+    """The cell's one line: its decode rate, the median of its pairs, or why there is none."""
     synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
+    rate = record.measurements.get("decode_tok_s")
+    if rate is None:
+        broken = [c["detail"] for c in record.outputs.get("checks", []) if not c["holds"]]
+        return f"decode: no valid pair ({'; '.join(broken)}){synthetic}"
     return f"decode {rate.central:.2f} tok/s median of {len(rate.values)}{synthetic}"
 
 
-def warm_pairs(
-    cell: Cell, ids: list[int], expected: list[int]
-) -> tuple[list[float], list[float], list[float], list[Generation]]:
-    """``repeats`` timed pairs; the decode rate (N-1)/(T_N - T_1) of each pair, and each N-token call
-    (which must write ``expected``, the first call's tokens)."""
-    n = cell.cfg.max_new_tokens
-    warm_1, warm_n, rates, calls = [], [], [], []
+@dataclass
+class Pairs:
+    """``repeats`` warm pairs on one prompt: each pair's T_1 and T_N seconds and its N-token call.
+
+    The decode rate of a pair is (N-1)/(T_N - T_1); a pair whose T_N is not above its T_1 breaks the
+    method (noise larger than N-1 steps), so it gives no rate and is named in ``check``.
+    """
+
+    n: int
+    warm_1: list[float]
+    warm_n: list[float]
+    calls: list[Generation]
+
+    @property
+    def rates(self) -> list[float]:
+        return [(self.n - 1) / (tn - t1) for t1, tn in zip(self.warm_1, self.warm_n, strict=True) if tn > t1]
+
+    def check(self) -> dict[str, Any]:
+        """The rule T_N > T_1 over every pair, with the times of any pair that breaks it."""
+        broken = [(t1, tn) for t1, tn in zip(self.warm_1, self.warm_n, strict=True) if tn <= t1]
+        detail = "; ".join(f"T_1 = {t1:.6f} s, T_N = {tn:.6f} s" for t1, tn in broken)
+        return {"rule": f"T_N > T_1 in every pair (N={self.n})", "holds": not broken,
+                "detail": detail or f"{len(self.warm_1)} pairs"}  # fmt: skip
+
+
+def warm_pairs(cell: Cell, ids: list[int], expected: list[int], n: int | None = None) -> Pairs:
+    """``repeats`` timed pairs of a warm 1-token and a warm N-token call (N: ``n`` or the run's
+    ``max_new_tokens``); every N-token call must write ``expected``, the first call's tokens."""
+    n = n or cell.cfg.max_new_tokens
+    pairs = Pairs(n, [], [], [])
     for _ in range(cell.cfg.repeats):
-        t1, gen, tn = cell.timed_pair(ids)
+        t1, gen, tn = cell.timed_pair(ids, n)
         if gen.tokens != expected:
             raise MethodError("a warm greedy call wrote different tokens from the first call")
-        warm_1.append(t1)
-        warm_n.append(tn)
-        rates.append((n - 1) / (tn - t1))
-        calls.append(gen)
-    return warm_1, warm_n, rates, calls
+        pairs.warm_1.append(t1)
+        pairs.warm_n.append(tn)
+        pairs.calls.append(gen)
+    return pairs
 
 
 def phase_rates(cell: Cell, calls: list[Generation], result: Result) -> None:
@@ -97,15 +123,19 @@ def run(cell: Cell, result: Result | None = None) -> Result:
 
     first, first_s = cell.timed_call(ids, n)
     with_cache = device.memory_now()
-    warm_1, warm_n, rates, calls = warm_pairs(cell, ids, first.tokens)
-    phase_rates(cell, calls, result)
+    pairs = warm_pairs(cell, ids, first.tokens)
+    phase_rates(cell, pairs.calls, result)
+    checks = [pairs.check()]
+    rated = {"decode_tok_s": (pairs, "(N-1)/(T_N-T_1)")}
     if engine.streams and cfg.read_every != 1:  # the streaming tip: the same calls, each token read at once
         with engine.reading_every(1):
-            _, _, streamed, _ = warm_pairs(cell, ids, first.tokens)
-        result.measurements["decode_streamed_tok_s"] = samples(
-            streamed, "tok/s", formula="(N-1)/(T_N-T_1), read_every=1"
-        )
-        result.samples["decode_streamed_tok_s"] = streamed
+            streamed = warm_pairs(cell, ids, first.tokens)
+        checks.append({**streamed.check(), "rule": f"{streamed.check()['rule']}, read_every=1"})
+        rated["decode_streamed_tok_s"] = (streamed, "(N-1)/(T_N-T_1), read_every=1")
+    for name, (each, formula) in rated.items():
+        if each.rates:  # a pair that broke the method gives no rate; a cell with none has no rate at all
+            result.measurements[name] = samples(each.rates, "tok/s", formula=formula)
+            result.samples[name] = each.rates
     peaks = device.peak_memory()
     weights = engine.weight_bytes()
     if weights is not None:
@@ -122,15 +152,18 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     result.measurements.update(
         load_s=scalar(cell.load_s, "s"),
         first_call_s=scalar(first_s, "s"),
-        warm_1_s=samples(warm_1, "s"),
-        warm_n_s=samples(warm_n, "s"),
-        decode_tok_s=samples(rates, "tok/s", formula="(N-1)/(T_N-T_1)"),
+        warm_1_s=samples(pairs.warm_1, "s"),
+        warm_n_s=samples(pairs.warm_n, "s"),
         prompt_tokens=scalar(len(ids), "tok"),
         max_new_tokens=scalar(n, "tok"),
         memory_after_load=after_load,
         memory_with_cache=with_cache,
         **memory_peaks(peaks),
     )
-    result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n, decode_tok_s=rates)
+    result.samples.update(warm_1_s=pairs.warm_1, warm_n_s=pairs.warm_n)
+    calls = 1 + len(pairs.calls) * 2 * len(rated)
+    checks.insert(0, {"rule": "exactly N tokens in every call", "holds": True,
+                      "detail": f"{calls} calls, each held to its count (another count fails the cell)"})  # fmt: skip
+    result.outputs["checks"] = result.outputs.get("checks", []) + checks
     result.outputs.update(prompt_ids=ids, **answer(first.tokens, engine.eos_ids, engine.tokenizer))
     return result

@@ -23,10 +23,13 @@ official ``openai`` client runs the method on a third:
    ``idle_timeout_s`` (``/health``, ``/metrics``), else the cell fails.
 
 Request rate and output token throughput are per part: requests (tokens) over that part's wall time.
-``served_over_bare`` = median served ``engine_tok_s`` / median ``bare_decode_tok_s``; ``client_over_bare``
-= median streamed ``client_tok_s`` / median ``bare_decode_tok_s``: the server's cost over the bare
-engine in the same cell. A screenshot of the chat page goes beside the evidence when a headless
-chromium is installed (``serving.browser``).
+``served_over_bare`` = median served ``engine_tok_s`` / median ``bare_served_length_tok_s``, the bare
+engine's rate at the served requests' own length M (their median engine tokens: a request that stops at
+EOS decodes fewer than N, so it is compared with bare calls of M tokens, measured after serving when
+M differs from N), with a 95% interval from both sides' samples; ``client_over_bare`` = median streamed
+``client_tok_s`` / median ``bare_decode_tok_s`` (other prompts and lengths: a rough figure, so stated):
+the server's cost over the bare engine in the same cell. A screenshot of the chat page goes beside the
+evidence when a headless chromium is installed (``serving.browser``).
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
 from decodebench.evidence import Record, samples, scalar
+from decodebench.stats import ratio_interval
+from engines.base import Generation
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
-from experiments.decode import warm_pairs
+from experiments.decode import Pairs, warm_pairs
 from serving import browser
 from serving.server import create_app, describe_engine, running
 from serving.worker import EngineWorker, Metrics
@@ -95,9 +100,10 @@ def headline(record: Record) -> str:
     """The cell's one line: served and bare rates, the median TTFT and the cancel counter."""
     served, bare = record.value("served_engine_tok_s"), record.value("bare_decode_tok_s")
     engine_rate = f"{served:.2f} tok/s engine timer served" if served is not None else "no engine timer"
+    bare_rate = f"{bare:.2f} tok/s" if bare is not None else "no valid pair"
     synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
     return (
-        f"serve: {engine_rate}, bare {bare:.2f} tok/s, TTFT median {record.value('ttft_s'):.3f} s, "
+        f"serve: {engine_rate}, bare {bare_rate}, TTFT median {record.value('ttft_s'):.3f} s, "
         f"cancel counter {record.value('cancel_counter_before'):g} -> {record.value('cancel_counter_after'):g}"
         f"{synthetic}"
     )
@@ -125,12 +131,11 @@ def check_fit(cell: Cell, texts: list[str]) -> list[list[int]]:
     return all_ids
 
 
-def bare(cell: Cell, ids: list[int]) -> dict[str, Any]:
-    """The decode experiment's method at the server's read_every: a warm-up call, then ``repeats`` pairs."""
-    n = cell.cfg.max_new_tokens
-    first, warmup_s = cell.timed_call(ids, n)
-    _, _, rates, calls = warm_pairs(cell, ids, first.tokens)
-    return {"warmup_s": warmup_s, "rates": rates, "phase": [(n - 1) / g.decode_s for g in calls if g.decode_s]}
+def bare(cell: Cell, ids: list[int]) -> tuple[Generation, float, Pairs]:
+    """The decode experiment's method at the server's read_every: a warm-up call (the first N tokens and
+    its seconds), then ``repeats`` pairs."""
+    first, warmup_s = cell.timed_call(ids, cell.cfg.max_new_tokens)
+    return first, warmup_s, warm_pairs(cell, ids, first.tokens)
 
 
 def messages(text: str) -> list[dict[str, str]]:
@@ -274,8 +279,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     engine = cell.engine
     read_every = max(cfg.read_every, 1)
     with engine.reading_every(read_every):
-        base = bare(cell, ids)
-    served = describe_engine(cell.opened, cfg.model.name, cell.load_s, base["warmup_s"], read_every)
+        first, warmup_s, base = bare(cell, ids)
+    served = describe_engine(cell.opened, cfg.model.name, cell.load_s, warmup_s, read_every)
     worker = EngineWorker(engine, Metrics(), read_every)
     with running(create_app(served, worker, cell.opened)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
         parts = pool.submit(clients, cell, url, served.model_id, worker, cfg.context - len(ids))
@@ -283,13 +288,17 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         out = parts.result()
 
     rows, streams = out["requests"], out["streams"]
+    served_n = int(statistics.median(r["engine_tokens"] for r in rows))
+    at_length = base
+    if served_n != base.n and served_n >= 2:  # the bare engine at the served requests' own length
+        with engine.reading_every(read_every):
+            at_length = warm_pairs(cell, ids, first.tokens[:served_n], served_n)
+    result.outputs["checks"] = [base.check(), at_length.check()] if at_length is not base else [base.check()]
     gaps = [g for s in streams for g in s["itl_s"]]
-    bare_rate = statistics.median(base["rates"])
     m = result.measurements
     m.update(
         load_s=scalar(cell.load_s, "s"),
-        warmup_s=scalar(base["warmup_s"], "s", method="first generate(N) at the server's read_every, compile included"),
-        bare_decode_tok_s=samples(base["rates"], "tok/s", formula="(N-1)/(T_N-T_1)", read_every=read_every),
+        warmup_s=scalar(warmup_s, "s", method="first generate(N) at the server's read_every, compile included"),
         served_tokens=samples([r["tokens"] for r in rows], "tok", source="usage.completion_tokens"),
         served_client_s=samples([r["client_s"] for r in rows], "s", method="client wall clock around create()"),
         request_rate_req_s=scalar(len(rows) / out["wall_a"], "req/s", method="(a) requests / wall seconds"),
@@ -305,7 +314,11 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         max_new_tokens=scalar(cfg.max_new_tokens, "tok"),
     )
     optional = {
-        "bare_phase_tok_s": (base["phase"], "tok/s", {"formula": "(N-1)/decode_s, engine timers"}),
+        "bare_decode_tok_s": (base.rates, "tok/s", {"formula": "(N-1)/(T_N-T_1)", "read_every": read_every}),
+        "bare_served_length_tok_s": (at_length.rates, "tok/s", {"formula": "(M-1)/(T_M-T_1), M = median served "
+                                     "engine tokens", "tokens": served_n, "read_every": read_every}),  # fmt: skip
+        "bare_phase_tok_s": ([(base.n - 1) / g.decode_s for g in base.calls if g.decode_s], "tok/s",
+                             {"formula": "(N-1)/decode_s, engine timers"}),  # fmt: skip
         "served_read_s": ([r["read_s"] for r in rows], "s", {"method": "engine timer, response's decodebench field"}),
         "served_decode_s": ([r["decode_s"] for r in rows], "s", {"method": "engine timer"}),
         "served_engine_tok_s": ([r["engine_tok_s"] for r in rows], "tok/s", {"formula": "(tokens-1)/decode_s"}),
@@ -318,10 +331,13 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         kept = [v for v in values if v is not None]
         if kept:  # an engine that cannot split a call has no engine timers
             m[name] = samples(kept, unit, **extra)
-    for name, numerator in (("served_over_bare", "served_engine_tok_s"), ("client_over_bare", "client_tok_s")):
-        if numerator in m:
-            ratio = m[numerator].central / bare_rate
-            m[name] = scalar(ratio, "x", formula=f"median {numerator} / median bare_decode_tok_s")
+    ratios = (("served_over_bare", "served_engine_tok_s", "bare_served_length_tok_s", "the same length"),
+              ("client_over_bare", "client_tok_s", "bare_decode_tok_s", "other prompts and lengths"))  # fmt: skip
+    for name, numerator, denominator, compared in ratios:
+        if numerator in m and denominator in m:
+            ratio = ratio_interval(m[numerator].values, m[denominator].values)
+            m[name] = scalar(ratio.value, "x", formula=f"median {numerator} / median {denominator}", compares=compared,
+                             ci95=[ratio.low, ratio.high], n=ratio.n)  # fmt: skip
     result.samples.update({name: list(v.values) for name, v in m.items() if hasattr(v, "values")})
     result.outputs.update(
         prompt_ids=ids,
@@ -336,6 +352,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     )
     result.timers.update(
         bare_decode_tok_s="(N-1)/(warm_n_s - warm_1_s) at the server's read_every, device.sync() around each call",
+        bare_served_length_tok_s="as bare_decode_tok_s with N = the served requests' median engine tokens",
         served_engine_tok_s="(engine tokens - 1)/decode_s, the engine's own timer inside the server",
         ttft_s="client: create() to the first token chunk's arrival",
         itl_s="client: arrival gaps between consecutive token chunks",

@@ -50,6 +50,7 @@ def cell_cfg(cache_dir: Path, tmp_path: Path):
             f"evidence_dir={tmp_path / 'runs'}",
             "sweep=test",
             "device=cpu",
+            "repeats=2",  # the tests check the method, not intervals: two pairs (the run's default is 5)
             *overrides,
         )
 

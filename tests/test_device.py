@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import socket
+from pathlib import Path
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
@@ -68,3 +72,19 @@ def test_bandwidth_is_measured_once_per_host_and_sweep(tmp_path):
     assert again["value"] == first["value"] and again["file"] == first["file"]
     assert len(first["samples"]) == hardware.BANDWIDTH_COPIES and first["value"] == max(first["samples"])
     assert hardware.bandwidth(device, tmp_path, "s2")["file"] != first["file"]
+
+
+def test_a_bandwidth_file_from_another_host_or_device_is_never_reused(tmp_path, monkeypatch):
+    from decodebench import hardware
+    from decodebench.device import Device
+
+    device = resolve_device("cpu")
+    first = hardware.bandwidth(device, tmp_path, "s1")
+    other = Device(kind="cpu", name="another cpu", torch_device=device.torch_device)
+    assert hardware.bandwidth(other, tmp_path, "s1")["file"] != first["file"], "another device, another file"
+    forged = json.loads(Path(first["file"]).read_text()) | {"host": "elsewhere", "value": 1.0e6}
+    Path(first["file"]).write_text(json.dumps(forged))  # a copied cache that says it came from another host
+    again = hardware.bandwidth(device, tmp_path, "s1")
+    assert again["host"] == socket.gethostname() and again["value"] != 1.0e6, "measured again, not reused"
+    monkeypatch.setattr(hardware.socket, "gethostname", lambda: "second-host")
+    assert hardware.bandwidth(device, tmp_path, "s1")["file"] != first["file"], "another host, another file"

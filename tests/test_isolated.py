@@ -22,7 +22,7 @@ CELL = ("model=tiny", "experiment=decode", "max_new_tokens=4", "repeats=1", "dev
 
 
 def sweep(cache_dir: Path, evidence_dir: Path, *extra: str) -> subprocess.Popen:
-    args = ["-m", "hydra/launcher=isolated", "engine=generate,static", *CELL, f"cache_dir={cache_dir}"]
+    args = ["-m", "hydra/launcher=isolated", "engine=static,generate", *CELL, f"cache_dir={cache_dir}"]  # killed first
     return subprocess.Popen(
         [sys.executable, "run.py", *args, f"evidence_dir={evidence_dir}", *extra],
         cwd=REPO,
@@ -109,3 +109,17 @@ def test_the_sweep_is_refused_before_any_cell_runs(tmp_path):
     assert proc.returncode == 2
     assert "[refused] engine=generate,jax on a TPU mixes JAX (jax) with PyTorch engines (generate)" in proc.stderr
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_a_timed_out_cell_is_not_requeued(tmp_path):
+    """submitit requeues a timed-out job whose callable resubmits itself from ``checkpoint``; ours returns
+    None, so submitit's own check gives a reason not to requeue (and the cell is recorded failed)."""
+    import submitit
+    from submitit.core.job_environment import _checkpoint
+
+    from hydra_plugins.decodebench_launcher.isolated import IsolatedLauncher
+
+    launcher = IsolatedLauncher.__new__(IsolatedLauncher)
+    delayed = submitit.helpers.DelayedSubmission(launcher, ["engine=generate"], "hydra.sweep.dir", 0, "job", {})
+    assert _checkpoint(delayed, tmp_path / "submitted.pkl", countdown=3) == "checkpoint function returned None"
+    assert not (tmp_path / "submitted.pkl").exists(), "nothing was dumped for a requeue"

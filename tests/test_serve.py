@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -305,7 +306,12 @@ def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg,
     assert m["itl_s"]["n"] >= 2 and m["itl_s"]["p50"] <= m["itl_s"]["p99"]
     assert m["cancel_counter_after"]["value"] == m["cancel_counter_before"]["value"] + 1
     assert out["cancel"]["finish"] == "cancelled" and out["cancel"]["chunks_before_drop"] == 10
-    assert m["served_over_bare"]["value"] > 0 and m["bare_decode_tok_s"]["n"] == 1
+    served_length = statistics.median(r["engine_tokens"] for r in out["requests"])
+    assert m["bare_served_length_tok_s"]["tokens"] == served_length, "bare measured at the served length"
+    client_rows = statistics.median(r["engine_tok_s"] for r in out["requests"])  # the responses' own fields
+    bare_at_length = m["bare_served_length_tok_s"]["median"]
+    assert m["served_over_bare"]["value"] == pytest.approx(client_rows / bare_at_length)
+    assert m["bare_decode_tok_s"]["n"] == 1
     assert [r["finish"] for r in out["requests"]] == [r["finish"] for r in out["requests"][:1]] * 2, "greedy"
     assert {s["finish"] for s in out["streams"]} <= {"stop", "length"} and len(out["streams"]) == 2
     assert out["engine_info"]["engine"] == "ring" and out["engine_info"]["load_s"] == m["load_s"]["value"]

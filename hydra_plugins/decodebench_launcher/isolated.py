@@ -39,6 +39,11 @@ SUBMITIT_LINE = re.compile(r"^(submitit [A-Z]+ \(|\[[^]]*\]\[submitit\]\[)")
 class IsolatedLauncher(LocalLauncher):
     """Each job in its own process (submitit's local executor), sequentially; see the module docstring."""
 
+    def checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """No requeue: a cell that runs past ``timeout_min`` is recorded ``failed`` (submitit requeues a job
+        whose callable returns a resubmission here, as the plugin's own launchers do)."""
+        return None
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -72,7 +77,8 @@ class IsolatedLauncher(LocalLauncher):
         job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
         try:
             return job.result()
-        except submitit.core.utils.UncompletedJobError as exc:
+        except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as exc:
+            # killed from outside, or timed out (the job raised "not requeued" in its own process)
             done.return_value = self._died(cfg, config, path, before, exit_status.read(status), str(exc))
             return done
         except KeyboardInterrupt:
@@ -92,6 +98,8 @@ class IsolatedLauncher(LocalLauncher):
         from runner import new_record, write
 
         how = exit_status.describe(returncode)
+        if "timed-out" in log:  # submitit's word for a job past timeout_min, which this launcher never requeues
+            how = f"the cell ran past hydra.launcher.timeout_min and was stopped ({how})"
         if path is None:
             print(f"[failed] nothing written: {how}", file=sys.stderr, flush=True)
             return None
