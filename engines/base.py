@@ -66,7 +66,6 @@ class Engine(ABC):
     config: ClassVar[type[EngineConfig]]  # the typed config Hydra composes for ``engine=<name>``
     devices: ClassVar[tuple[str, ...]] = ("tpu", "cuda", "cpu")
     framework: ClassVar[str] = "torch"  # which framework's device the cell resolves (decodebench.device)
-    tables: ClassVar[str | None] = None  # force a twin ("int4" for the 4-bit-table engine); None: model.tables
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
@@ -87,8 +86,8 @@ class Engine(ABC):
 
     @classmethod
     def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
-        """Which twin this engine reads: its own (``tables``) or the model config's."""
-        return cls.tables or model_cfg.tables
+        """Which twin this engine reads (``model.tables`` unless the engine keeps a table 4-bit)."""
+        return model_cfg.tables
 
     @classmethod
     def limit(cls, config: Any, prompt_tokens: int, max_new_tokens: int) -> str | None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
-from decodebench.config import at_least
+from decodebench.config import Tables, at_least
 from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
@@ -62,6 +62,9 @@ class LastPiece(StrEnum):
 class RingEngineConfig(SteppingEngineConfig):
     """Ring KV cache (article 003, Step 10): prompts read in ``piece``-token pieces, two programs.
 
+    ``per_layer_table=int4``: the per-layer embedding table stays 4-bit (read from the ``-emb4`` twin and
+    looked up packed, as ``table4`` does): the article's notebook 05 ring; ``bf16`` dequantizes it at load.
+
     ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
     up to ``piece`` times a power of two (one compiled program per bucket used). ``last_piece=bucketed``:
     a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
@@ -70,6 +73,7 @@ class RingEngineConfig(SteppingEngineConfig):
     piece: int = 256
     attend: Attend = Attend.cache
     last_piece: LastPiece = LastPiece.padded
+    per_layer_table: Tables = Tables.int4
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
@@ -205,6 +209,10 @@ class RingEngine(SteppingEngine):
     config = RingEngineConfig
 
     @classmethod
+    def kept_4bit(cls, engine_cfg: Any) -> tuple[str, ...]:
+        return ("embed_tokens_per_layer",) if engine_cfg.per_layer_table == Tables.int4 else ()
+
+    @classmethod
     def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
         """A program per bucket and length: keep them all, never evict (one program per function otherwise)."""
         if engine_cfg.attend == Attend.filled or engine_cfg.last_piece != LastPiece.padded:
@@ -295,6 +303,7 @@ class RingEngine(SteppingEngine):
             "layout": self.ring.layout(),
             "cache_bytes": self.ring.nbytes(),
             "attend": str(self.ctx.engine_cfg.attend),
+            "per_layer_table": str(self.ctx.engine_cfg.per_layer_table),
             "buckets": {str(b): n for b, n in sorted(self.buckets.items())},
             "last_piece": str(self.ctx.engine_cfg.last_piece),
             "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},

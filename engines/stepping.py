@@ -64,7 +64,12 @@ class SteppingEngineConfig(EngineConfig):
 class SteppingEngine(SteppedEngine):
     """Prefill once, then a compiled one-token step per new token."""
 
-    keep_packed: tuple[str, ...] = ()
+    keep_packed: tuple[str, ...] = ()  # vocabulary tables this engine always keeps 4-bit
+
+    @classmethod
+    def kept_4bit(cls, engine_cfg: Any) -> tuple[str, ...]:
+        """The vocabulary tables this engine keeps packed 4-bit (read from the ``-emb4`` twin) as configured."""
+        return cls.keep_packed
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
@@ -76,13 +81,16 @@ class SteppingEngine(SteppedEngine):
 
     @classmethod
     def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
-        """``engine.weights=int4`` reads the ``-emb4`` twin, whose tables and ``lm_head`` are int4 too."""
-        return Tables.int4 if engine_cfg.weights == Weights.int4 else super().twin(engine_cfg, model_cfg)
+        """A table kept 4-bit, or ``engine.weights=int4``, reads the ``-emb4`` twin, whose tables and
+        ``lm_head`` are int4."""
+        if engine_cfg.weights == Weights.int4 or cls.kept_4bit(engine_cfg):
+            return Tables.int4
+        return super().twin(engine_cfg, model_cfg)
 
     def load(self) -> None:
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
-        lookups = tuple(dict.fromkeys(self.keep_packed + (int4.LOOKUPS if self.int4 else ())))
+        lookups = tuple(dict.fromkeys(self.kept_4bit(self.ctx.engine_cfg) + (int4.LOOKUPS if self.int4 else ())))
         keep = lookups + (("lm_head",) if self.int4 else ())
         self.model, packed = self.load_weights(keep)
         self.packed_tables = {p: w for p, w in packed.items() if p.rpartition(".")[2] in lookups}
@@ -139,7 +147,9 @@ class SteppingEngine(SteppedEngine):
         self.compiled_step = self.packed_tables = None
 
     def describe(self) -> dict[str, Any]:
-        weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights)}
+        weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights),
+                                   "kept_4bit": [p.rpartition(".")[2] for p in self.packed_tables]
+                                   + (["linears"] if self.int4 else [])}  # fmt: skip
         if self.int4:
             weights.update(int4_kernel=int4.KERNELS[self.ctx.device.kind], int4_linears=self.int4_linears)
         for path, table in self.packed_tables.items():

@@ -22,5 +22,4 @@ class Table4EngineConfig(CompiledEngineConfig):
 class Table4Engine(CompiledEngine):
     name = "table4"
     config = Table4EngineConfig
-    tables = "int4"
     keep_packed = ("embed_tokens_per_layer",)

@@ -133,3 +133,22 @@ def test_grouped_attention_equals_sdpa_with_gqa():
         q, k, v, attn_mask=keep[None, None], scale=0.25, enable_gqa=True
     )
     assert torch.allclose(grouped_attention(q, k, v, keep.repeat(4, 1), 0.25), expected, atol=1e-6)
+
+
+def test_the_ring_keeps_the_per_layer_table_4bit_as_table4_does(cell_cfg, tiny):
+    """The article's notebook 05 ring reads the -emb4 twin and looks its per-layer table up packed: the
+    same tokens as table4 on the same prompt, and the same weight bytes held; bf16 is one setting away."""
+    common = ("experiment=decode", "max_new_tokens=8", "repeats=1", *COMPILED)
+    ring, table4 = (run_cell(cell_cfg(f"engine={e}", *common)) for e in ("ring", "table4"))
+    dense = run_cell(cell_cfg("engine=ring", "engine.per_layer_table=bf16", "model.tables=int4", *common))
+    for record in (ring, table4, dense):
+        assert record["status"] == "ok", record["reason"]
+    assert ring["outputs"]["generated_ids"] == table4["outputs"]["generated_ids"]
+    assert ring["engine"]["kept_4bit"] == table4["engine"]["kept_4bit"] == ["embed_tokens_per_layer"]
+    assert dense["engine"]["kept_4bit"] == [] and ring["model"]["tables_description"].startswith("int4")
+    held = {name: r["measurements"]["weight_bytes_from_shape"]["value"] for name, r in
+            (("ring", ring), ("table4", table4), ("dense", dense))}  # fmt: skip
+    assert held["ring"] == held["table4"]
+    table = ring["engine"]["embed_tokens_per_layer_dense_bytes"] - ring["engine"]["embed_tokens_per_layer_bytes"]
+    saved = held["dense"] - held["ring"]  # the same twin: only the per-layer table differs
+    assert saved - table == 2 - 32, "the table's bytes, less the dense scale (2 B) and the lookup's shifts (32 B)"
