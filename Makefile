@@ -9,7 +9,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve
+.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -51,6 +51,14 @@ demo: setup
 
 report: setup
 	$(BIN)/python -m reports.render
+
+# Every row of both articles as it was run (conf/way/<article>/<row>.yaml), each cell in its own process
+# (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason.
+WAYS ?= $(shell cd conf/way && ls */*.yaml | sed 's/\.yaml$$//' | paste -sd, -)
+REPRODUCE_MODEL ?= tiny
+reproduce: setup
+	$(BIN)/python run.py -m hydra/launcher=isolated "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
+	$(MAKE) --no-print-directory report
 
 sweep: setup
 	$(BIN)/python run.py -m engine=$(ENGINES) model=e2b-synthetic max_new_tokens=16 repeats=1 sweep=$(SWEEP)

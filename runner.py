@@ -61,6 +61,40 @@ def typed_config(cfg: DictConfig) -> RunConfig:
     return OmegaConf.to_object(cfg)
 
 
+WAYS = Path(__file__).resolve().parent / "conf" / "way"
+
+
+def way_settings(way: str) -> dict[str, Any]:
+    """What ``conf/way/<way>.yaml`` sets, as dotted keys: the engine and experiment it selects and each value."""
+    spec = OmegaConf.load(WAYS / f"{way}.yaml")
+    settings = {}
+    for entry in spec.pop("defaults", []):
+        for key, value in (entry.items() if isinstance(entry, DictConfig) else []):
+            settings[f"{key.removeprefix('override /')}.name"] = value
+    flat = OmegaConf.to_container(spec)
+    for key, value in flat.items():
+        for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)]):
+            settings[f"{key}.{sub}" if sub else key] = inner
+    return settings
+
+
+def check_way(run: RunConfig) -> None:
+    """A cell named for an article's way runs that way: every value the way sets must still hold (a command
+    line may add settings the way leaves open, such as the model, never change one it sets)."""
+    if run.way is None:
+        return
+    changed = []
+    for key, value in way_settings(run.way).items():
+        have: Any = run
+        for part in key.split("."):
+            have = getattr(have, part)
+        if str(have) != str(value):
+            changed.append(f"{key}={have} (the way sets {value})")
+    if changed:
+        raise ConfigError(f"way={run.way} is not run as the article ran it: {'; '.join(changed)}; "
+                          "drop way= or the override")  # fmt: skip
+
+
 def validate_sweep_engines(engines: list[str], device_kind: str, launcher: str) -> None:
     """A sweep that mixes JAX and PyTorch engines on a TPU cannot run its cells in one process (the
     first framework to open the chip keeps it): it needs a fresh process per cell."""
@@ -139,6 +173,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     record = new_record(cfg, config, path)
     try:
         run = typed_config(cfg)
+        check_way(run)
         experiment = EXPERIMENTS.get(run.experiment.name)
         if experiment is None:  # only reachable by overriding experiment.name
             raise ConfigError(f"unknown experiment {run.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")

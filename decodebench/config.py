@@ -192,6 +192,7 @@ class RunConfig:
     dtype: DType = DType.bfloat16
     prompt: str = DEFAULT_PROMPT
     chat_template: bool = True
+    way: str | None = None  # the article's way this cell reproduces (conf/way/<article>/<row>.yaml sets it)
     sweep: str = "${now:%Y-%m-%d}"
     # null: evidence_dir/<sweep>/<cell>.json; a name, or auto (this machine's host name, read where the
     # cell runs): evidence_dir/<sweep>/<host>/<cell>.json, so machines sharing a folder or bucket never collide

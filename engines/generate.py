@@ -11,19 +11,29 @@ import torch
 from transformers import GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from decodebench.checkpoint import load_model
+from decodebench.checkpoint import load_model, load_reference
 from decodebench.config import EngineConfig
 from decodebench.device import Device, tpu_eager_mode
 from engines.base import Engine, Generation, OnTokens
 
 
+class Loader(StrEnum):
+    """Who builds the model: decodebench's loader (dequantized by us, plain modules), or Transformers' own
+    compressed-tensors path, as the articles' ``generate`` rows loaded the repack."""
+
+    decodebench = "decodebench"
+    transformers = "transformers"
+
+
 @dataclass
 class GenerateEngineConfig(EngineConfig):
-    """Hugging Face ``generate``: greedy, eager, dynamic cache."""
+    """Hugging Face ``generate``: greedy, eager, dynamic cache; ``loader``: who builds the model."""
+
+    loader: Loader = Loader.decodebench
 
 
 @dataclass
-class FuseEngineConfig(EngineConfig):
+class FuseEngineConfig(GenerateEngineConfig):
     """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
 
 
@@ -35,7 +45,7 @@ class StaticMode(StrEnum):
 
 
 @dataclass
-class StaticEngineConfig(EngineConfig):
+class StaticEngineConfig(GenerateEngineConfig):
     """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
 
     mode: StaticMode = StaticMode.eager
@@ -117,11 +127,18 @@ class GenerateEngine(Engine):
     eager_mode: str | None = None  # TorchTPU eager mode to run generate under (None: the default)
 
     def load(self) -> None:
-        self.model, _ = load_model(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device)
+        device = self.ctx.device.torch_device
+        if self.ctx.engine_cfg.loader == Loader.transformers:
+            self.model = load_reference(self.checkpoint, self.ctx.dtype, device)
+        else:
+            self.model, _ = load_model(self.checkpoint, self.ctx.dtype, device)
 
     def cache(self) -> Any:
         """The cache object handed to generate; None lets Transformers make a DynamicCache."""
         return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"loader": str(self.ctx.engine_cfg.loader)}
 
     @torch.inference_mode()  # the cache is reset in place: it must be inside, with the generate that made it
     def generate(
@@ -185,6 +202,7 @@ class StaticEngine(GenerateEngine):
 
     def describe(self) -> dict[str, Any]:
         return {
+            **super().describe(),
             "cache": f"transformers StaticCache, max_cache_len={self.ctx.context}",
             "mode": self.ctx.engine_cfg.mode,
         }
