@@ -6,14 +6,12 @@ reads (building a synthetic one on first use) and its tokenizer, and checks that
 the context. What it returns, an ``OpenEngine``, holds the fit rule and the prompt encoder; its
 ``load()`` builds the engine, the one place an engine class is constructed (a constructed engine is
 loaded and complete; ``Cell`` times this call), and ``close()`` frees it. Global framework state is set
-and restored here only (``framework_session``).
+and restored here only (``FrameworkState``).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,21 +39,26 @@ class Misfit:
         return ConfigError(self.reason) if self.user_error else EngineLimit(self.reason)
 
 
-@contextmanager
-def framework_session(cls: type[Engine], engine_cfg: Any) -> Iterator[None]:
-    """Global framework state around one engine's life: TorchDynamo starts clean (no programs, zeroed
-    counters, so each engine's graph counts are its own), takes the engine's own settings while it is
-    open, and is reset again when it closes (its compiled programs go with it)."""
-    if cls.framework != "torch":
-        yield
-        return
-    counters.clear()
-    torch._dynamo.reset()
-    try:
-        with torch._dynamo.config.patch(cls.dynamo_settings(engine_cfg)):
-            yield
-    finally:
-        torch._dynamo.reset()
+class FrameworkState:
+    """Global framework state around one engine's life, the one place it is set and restored: TorchDynamo
+    starts clean (no programs, zeroed counters, so each engine's graph counts are its own), takes the
+    engine's own settings while it is open (``Engine.dynamo_settings``), and is reset when it closes (its
+    compiled programs go with it). Nothing runs if the engine is never closed (no finalizer)."""
+
+    def __init__(self, cls: type[Engine], engine_cfg: Any) -> None:
+        self.torch = cls.framework == "torch"
+        self.settings = torch._dynamo.config.patch(cls.dynamo_settings(engine_cfg)) if self.torch else None
+
+    def open(self) -> None:
+        if self.torch:
+            counters.clear()
+            torch._dynamo.reset()
+            self.settings.__enter__()
+
+    def close(self) -> None:
+        if self.torch:
+            self.settings.__exit__(None, None, None)
+            torch._dynamo.reset()
 
 
 @dataclass
@@ -68,7 +71,7 @@ class OpenEngine:
     tokenizer: PreTrainedTokenizerBase
     chat_template: bool = True
     engine: Engine | None = None
-    _session: ExitStack = field(default_factory=ExitStack, repr=False)
+    state: FrameworkState | None = field(default=None, repr=False)  # set while the engine is open
 
     @property
     def name(self) -> str:
@@ -104,7 +107,8 @@ class OpenEngine:
     def load(self) -> Engine:
         """The engine, built (read onto the device) on the first call; the one place an engine is constructed."""
         if self.engine is None:
-            self._session.enter_context(framework_session(self.cls, self.ctx.engine_cfg))
+            self.state = FrameworkState(self.cls, self.ctx.engine_cfg)
+            self.state.open()
             self.engine = self.cls(self.ctx, self.checkpoint, self.tokenizer)
         return self.engine
 
@@ -113,7 +117,9 @@ class OpenEngine:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self._session.close()
+        if self.state is not None:
+            self.state.close()
+            self.state = None
         gc.collect()
 
 

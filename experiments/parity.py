@@ -149,6 +149,10 @@ def run(cell: Cell) -> Result:
                 f"{prefix}_tokens_equal": scalar(got["tokens_equal"], "tok", of=n),
                 f"{prefix}_kl_mean": scalar(got["kl_mean"], "nats", bound=cfg.experiment.kl_mean),
                 f"{prefix}_kl_max": scalar(got["kl_max"], "nats", bound=cfg.experiment.kl_max),
+                f"{prefix}_first_token_kl": scalar(
+                    got["kl_per_position"][0], "nats", definition="KL(Transformers || engine) of the first generated "
+                    "token's distribution: the Rust article's parity figure (1.078e-05, Rust against Transformers)"
+                ),
                 f"{prefix}_prompt_tokens": scalar(len(ids), "tok"),
             }
         )

@@ -49,3 +49,27 @@ def test_generate_through_transformers_loading_writes_the_same_tokens(cell_cfg, 
     assert ours["status"] == theirs["status"] == "ok"
     assert theirs["engine"]["loader"] == "transformers" and ours["engine"]["loader"] == "decodebench"
     assert ours["outputs"]["generated_ids"] == theirs["outputs"]["generated_ids"]
+
+
+def test_the_first_token_kl_is_the_rust_articles_definition(cell_cfg, tiny, cache_dir):
+    """KL(Transformers || engine) over the first generated token's distribution, recomputed here from both
+    models' own first-token logits with torch's kl_div."""
+    import torch
+
+    from decodebench.checkpoint import load_reference, resolve
+    from tests.conftest import opened
+
+    record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "experiment=parity"))
+    assert record["status"] == "ok", record["reason"]
+    ring = opened(f"cache_dir={cache_dir}", "engine=ring", "engine.backend=eager", "experiment=parity")
+    ids = ring.encode(record["config"]["prompt"])
+    engine_logits = ring.load().generate(ids, 1, return_logits=True).logits[0].double()
+    bf16_twin = resolve(ring.ctx.model_cfg, "bf16", ring.ctx.cache_dir)  # the reference reads -ct-text
+    reference = load_reference(bf16_twin, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        reference_logits = reference(torch.tensor([ids])).logits[0, -1].double()
+    expected = torch.nn.functional.kl_div(
+        engine_logits.log_softmax(-1), reference_logits.log_softmax(-1), log_target=True, reduction="sum"
+    )
+    got = record["measurements"]["parity_first_token_kl"]
+    assert got["value"] == pytest.approx(max(float(expected), 0.0), abs=1e-12) and got["unit"] == "nats"
