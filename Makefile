@@ -4,23 +4,32 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.setup-stamp
+# The software stack: locks/<STACK>.txt pins every package (pip-compile over pyproject.toml and
+# locks/<STACK>.in); `make setup STACK=article` installs the articles' stack where it can be had.
+STACK ?= default
+LOCK := locks/$(STACK).txt
+STAMP := $(VENV)/.setup-stamp-$(STACK)
 SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce
+.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
 RUST_SOURCES := $(wildcard $(RUST_CRATE)/src/*.rs $(RUST_CRATE)/csrc/*.cpp) $(RUST_CRATE)/Cargo.toml $(RUST_CRATE)/build.rs
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo "setup: python packages into $(VENV) (torch, then decodebench[dev,rust,jax,cluster,serve])"
+	@echo "setup: python packages into $(VENV) from $(LOCK), then decodebench itself"
 	@$(BIN)/pip install -qq --upgrade pip
-	@$(BIN)/pip install -qq "$(TORCH_SPEC)"
-	@$(BIN)/pip install -qq -e ".[dev,rust,jax,cluster,serve]"
+	@if [ "$(STACK)" = default ]; then $(BIN)/pip install -qq "$(TORCH_SPEC)"; fi
+	@$(BIN)/pip install -qq -r $(LOCK)
+	@$(BIN)/pip install -qq --no-deps -e .
+	@$(BIN)/python -c "import hashlib, json, sys; lock = open('$(LOCK)', 'rb').read(); \
+	  json.dump({'name': '$(STACK)', 'lock': '$(LOCK)', 'lock_sha256_16': hashlib.sha256(lock).hexdigest()[:16]}, \
+	  open(sys.prefix + '/decodebench-stack.json', 'w'))"
+	@rm -f $(VENV)/.setup-stamp-*
 	@touch $(STAMP)
 
 # The Rust engine: crates from the registry where cargo reaches it, else Debian's packaged crates
@@ -51,6 +60,12 @@ demo: setup
 
 report: setup
 	$(BIN)/python -m reports.render
+
+# Two sweeps (names under evidence/runs/, or folders) row by row: B/A with 95% intervals, each side's verdict and
+# what differs in the environment; fails (exit 1) when a row VALID on both sides regresses beyond THRESHOLD.
+compare: setup
+	@test -n "$(A)" -a -n "$(B)" || { echo "make compare A=<sweep or folder> B=<sweep or folder> [THRESHOLD=5%] [OUT=reports/compare.md]"; exit 2; }
+	$(BIN)/python -m reports.compare "$(A)" "$(B)" $(if $(THRESHOLD),--threshold $(THRESHOLD)) $(if $(OUT),--out $(OUT))
 
 # Every row of both articles as it was run (conf/way/<article>/<row>.yaml), each cell in its own process
 # (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason.
@@ -88,6 +103,13 @@ collect: setup
 # engine's decode on model=e2b-synthetic, evidence and report in one folder.
 device-check:
 	bash scripts/device_check.sh
+
+# Regenerates both locks from pyproject.toml and locks/<stack>.in (pip-tools' pip-compile; reaches the
+# package index).
+lock: setup
+	@for stack in default article; do \
+	  $(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links --extra dev,rust,jax,cluster,serve \
+	    --constraint locks/$$stack.in -o locks/$$stack.txt pyproject.toml; done
 
 lint: setup
 	$(BIN)/ruff check .

@@ -124,9 +124,20 @@ def git_state() -> dict[str, Any]:
     return {"git_sha": _git("rev-parse", "HEAD"), "git_dirty": dirty, "git_diff_sha256_16": digest}
 
 
+def stack() -> dict[str, Any]:
+    """The software stack this interpreter was set up from: the lock's name and hash (``make setup`` writes
+    them beside the venv), or nulls for an interpreter set up otherwise."""
+    try:
+        return json.loads((Path(sys.prefix) / "decodebench-stack.json").read_text())
+    except (OSError, ValueError):
+        return {"name": None, "lock": None, "lock_sha256_16": None}
+
+
 def fingerprint(env: dict[str, Any]) -> str:
-    """The environment class of a figure: CPU model and flags, usable cores, device, Python and packages."""
-    key = {k: env.get(k) for k in ("cpu_model", "cpu_flags", "device_kind", "device_name", "python", "packages")}
+    """The environment class of a figure: CPU model and flags, usable cores, device, Python, the stack and
+    its packages."""
+    keys = ("cpu_model", "cpu_flags", "device_kind", "device_name", "python", "stack", "packages")
+    key = {k: env.get(k) for k in keys}
     key["cores"] = (env.get("threads") or {}).get("usable_cores")
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -138,6 +149,7 @@ def capture(device: Device | None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "packages": {p: _version(p) for p in PACKAGES},
+        "stack": stack(),
         "rustc": _rustc(),
         "drivers": drivers(),
         "device_kind": device.kind if device else None,

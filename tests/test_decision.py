@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from decodebench.evidence import Samples
 from decodebench.stats import differs, median_interval, ratio_interval
 from experiments.cell import Cell
 from runner import run_cell
+from tests.conftest import REPO
 
 CHEAP = ("engine=generate", "experiment=decode", "max_new_tokens=3")
 
@@ -94,6 +96,9 @@ def test_evidence_says_enough_to_rerun_the_cell(cell_cfg, tiny, monkeypatch):
     monkeypatch.setattr(environment, "cpu_flags", lambda: ["avx2"])
     assert environment.capture(cpu)["fingerprint"] != env["fingerprint"], "another CPU class, another fingerprint"
     assert record["config"]["replica"] == 1
+    if env["stack"]["name"]:  # set up by `make setup`: the lock it installed from, by its bytes
+        lock = (REPO / env["stack"]["lock"]).read_bytes()
+        assert env["stack"]["lock_sha256_16"] == hashlib.sha256(lock).hexdigest()[:16]
 
 
 def test_an_aa_copy_is_a_cell_of_its_own(cell_cfg, tiny):
