@@ -18,6 +18,7 @@ import importlib.util
 import resource
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,21 @@ def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 
         "method": f"{method}, read+write bytes / seconds, best of {repeats}",
         "samples": samples,
     }
+
+
+class EagerMode(StrEnum):
+    """How TorchTPU runs eager ops: strict eager (each op as it is called) or defer-and-fuse (ops collected
+    and compiled in groups; TPU only). Engines that run plain PyTorch ops take it as ``engine.mode``."""
+
+    eager = "eager"
+    fuse = "fuse"
+
+
+def fuse_unsupported(mode: str, engine: str, device_kind: str) -> str | None:
+    """Why ``engine`` cannot run under ``mode`` on this device (defer-and-fuse needs a TPU), or None."""
+    if mode == EagerMode.fuse and device_kind != "tpu":
+        return f"{engine} with mode=fuse needs TorchTPU's defer-and-fuse mode, a TPU; this device is {device_kind}"
+    return None
 
 
 def tpu_eager_mode(mode: str):

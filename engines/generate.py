@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from decodebench.checkpoint import load_model, load_reference
 from decodebench.config import EngineConfig
-from decodebench.device import Device, tpu_eager_mode
+from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from engines.base import Engine, Generation, OnTokens
 
 
@@ -37,18 +37,11 @@ class FuseEngineConfig(GenerateEngineConfig):
     """``generate`` under TorchTPU's defer-and-fuse eager mode (TPU only)."""
 
 
-class StaticMode(StrEnum):
-    """How ``static`` runs: strict eager, or TorchTPU's defer-and-fuse (TPU only)."""
-
-    eager = "eager"
-    fuse = "fuse"
-
-
 @dataclass
 class StaticEngineConfig(GenerateEngineConfig):
     """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
 
-    mode: StaticMode = StaticMode.eager
+    mode: EagerMode = EagerMode.eager
 
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
@@ -178,14 +171,14 @@ class StaticEngine(GenerateEngine):
 
     def load(self) -> None:
         super().load()
-        self.eager_mode = {StaticMode.eager: None, StaticMode.fuse: "fuse"}[self.ctx.engine_cfg.mode]
+        self.eager_mode = {EagerMode.eager: None, EagerMode.fuse: "fuse"}[self.ctx.engine_cfg.mode]
         self._cache: StaticCache | None = None
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
-        if run_cfg.engine.mode == "fuse" and device.kind != "tpu":
-            return f"static with mode=fuse needs TorchTPU's defer-and-fuse mode, a TPU; this device is {device.kind}"
-        return super().unsupported_reason(device, run_cfg)
+        return fuse_unsupported(run_cfg.engine.mode, "static", device.kind) or super().unsupported_reason(
+            device, run_cfg
+        )
 
     def cache(self) -> StaticCache:
         if self._cache is None:

@@ -7,6 +7,7 @@ loop run in Rust, every tensor operation through the C++ shim's ATen calls.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -15,16 +16,19 @@ import torch
 
 from decodebench.checkpoint import load_model
 from decodebench.config import EngineConfig, at_least
-from decodebench.device import Device
+from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import full_slots, kv_sources, ring_slots
 from engines.base import Engine, Generation, OnTokens
 
 
 @dataclass
 class RustEngineConfig(EngineConfig):
-    """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces."""
+    """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces. ``mode=fuse``
+    runs every call under TorchTPU's defer-and-fuse (the Rust article's ``SERVE_DEFER_AND_FUSE=1``: a
+    compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only)."""
 
     piece: int = 256
+    mode: EagerMode = EagerMode.eager
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
@@ -81,7 +85,11 @@ class RustEngine(Engine):
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
-        return built() or super().unsupported_reason(device, run_cfg)
+        return (
+            built()
+            or fuse_unsupported(run_cfg.engine.mode, "rust", device.kind)
+            or super().unsupported_reason(device, run_cfg)
+        )
 
     def load(self) -> None:
         import decodebench_rs
@@ -104,14 +112,17 @@ class RustEngine(Engine):
         return_logits: bool = False,
         on_tokens: OnTokens | None = None,
     ) -> Generation:
-        """The Rust loop; ``on_tokens`` is its own per-batch callback (called with the GIL taken back)."""
-        tokens, _, logits = self.native.decode(
-            prompt_ids,
-            max_new_tokens,
-            read_every=self.ctx.read_every,
-            on_tokens=on_tokens,
-            return_logits=return_logits,
-        )
+        """The Rust loop (under defer-and-fuse with ``mode=fuse``); ``on_tokens`` is its own per-batch
+        callback (called with the GIL taken back)."""
+        fused = self.ctx.engine_cfg.mode == EagerMode.fuse
+        with tpu_eager_mode("fuse") if fused else contextlib.nullcontext():
+            tokens, _, logits = self.native.decode(
+                prompt_ids,
+                max_new_tokens,
+                read_every=self.ctx.read_every,
+                on_tokens=on_tokens,
+                return_logits=return_logits,
+            )
         timers = self.native.timers
         return Generation(
             tokens,
@@ -127,4 +138,6 @@ class RustEngine(Engine):
         self.native = None
 
     def describe(self) -> dict[str, Any]:
-        return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every}
+        fused = self.ctx.engine_cfg.mode == EagerMode.fuse
+        return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
+                "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0"}  # fmt: skip

@@ -152,3 +152,13 @@ def test_the_ring_keeps_the_per_layer_table_4bit_as_table4_does(cell_cfg, tiny):
     table = ring["engine"]["embed_tokens_per_layer_dense_bytes"] - ring["engine"]["embed_tokens_per_layer_bytes"]
     saved = held["dense"] - held["ring"]  # the same twin: only the per-layer table differs
     assert saved - table == 2 - 32, "the table's bytes, less the dense scale (2 B) and the lookup's shifts (32 B)"
+
+
+def test_rust_under_defer_and_fuse_needs_a_tpu(cell_cfg, tiny):
+    """The Rust article's SERVE_DEFER_AND_FUSE=1: engine.mode=fuse, skipped off a TPU with the reason."""
+    pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
+    record = run_cell(cell_cfg("engine=rust", "engine.mode=fuse"))
+    assert record["status"] == "skipped" and "rust with mode=fuse needs TorchTPU's defer-and-fuse" in record["reason"]
+    plain = run_cell(cell_cfg("engine=rust", "experiment=decode", "max_new_tokens=3", "repeats=1"))
+    assert plain["status"] == "ok", plain["reason"]
+    assert plain["engine"]["torch_tpu_defer_and_fuse"] == "0" and plain["engine"]["mode"] == "eager"
