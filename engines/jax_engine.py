@@ -153,6 +153,11 @@ class JaxEngine(SteppedEngine):
         token, logits, self.cache, position = self.step_fn(self.params, self.cache, token, position)
         return token, logits, position
 
+    def device_token(self, token: int) -> Any:
+        import jax
+
+        return jax.device_put(np.asarray([token], np.int32), self.ctx.device.jax_device)
+
     def to_host(self, batch: list[Any]) -> list[int]:
         import jax
 

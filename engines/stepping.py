@@ -136,6 +136,9 @@ class SteppingEngine(SteppedEngine):
         token, logits = self.compiled_step(token, position)
         return token, logits, position + 1
 
+    def device_token(self, token: int) -> torch.Tensor:
+        return torch.tensor([[token]], device=self.ctx.device.torch_device)
+
     def to_host(self, batch: list[torch.Tensor]) -> list[int]:
         return torch.cat(batch).view(-1).tolist()
 

@@ -88,6 +88,10 @@ class SteppedEngine(Engine):
         """One step: ``token`` at device ``position`` (``at`` on the host) -> next token, logits, position + 1."""
 
     @abstractmethod
+    def device_token(self, token: int) -> Any:
+        """A host token id as the decode step takes it, on the device."""
+
+    @abstractmethod
     def to_host(self, batch: list[Any]) -> list[int]:
         """Device tokens to host ids (a copy that waits for them)."""
 
@@ -133,3 +137,16 @@ class SteppedEngine(Engine):
             end = time.perf_counter()
             stacked = self.host_logits(kept) if return_logits else None
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
+
+    def teacher_forced(self, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), V] float32 on the host at every position of ``ids``, each reading only the ids
+        up to it (teacher forcing): the first id read as a one-token prompt, every later id fed to the
+        decode step in place of the engine's own choice. The same programs as ``generate``; not timed."""
+        with self.running():
+            self.reset()
+            _, logits = self.prefill(ids[:1])
+            kept, position = [logits], self.position(1)
+            for at, token in enumerate(ids[1:], start=1):
+                _, logits, position = self.advance(at, self.device_token(token), position)
+                kept.append(logits)
+            return self.host_logits(kept)

@@ -73,3 +73,25 @@ def test_the_first_token_kl_is_the_rust_articles_definition(cell_cfg, tiny, cach
     )
     got = record["measurements"]["parity_first_token_kl"]
     assert got["value"] == pytest.approx(max(float(expected), 0.0), abs=1e-12) and got["unit"] == "nats"
+
+
+@pytest.mark.parametrize("engine", ["ring", "jax"])
+def test_the_sequence_kl_is_the_colab_articles_definition(cell_cfg, tiny, engine):
+    """Every position of prompt + generated: the teacher-forced engine agrees with Transformers' one forward
+    (float32: KL at rounding level, the same top token everywhere), over prompt tokens + N positions."""
+    if engine == "jax":
+        pytest.importorskip("jax")
+    extra = ("engine.backend=eager",) if engine == "ring" else ()
+    record = run_cell(cell_cfg(f"engine={engine}", *extra, "experiment=parity"))
+    assert record["status"] == "ok", record["reason"]
+    m = record["measurements"]
+    positions = m["parity_prompt_tokens"]["value"] + record["config"]["max_new_tokens"]
+    assert m["parity_sequence_kl_mean"]["positions"] == positions == m["parity_sequence_top1_same"]["of"]
+    assert m["parity_sequence_top1_same"]["value"] == positions
+    assert m["parity_sequence_kl_mean"]["value"] < 1e-6
+
+
+def test_an_engine_that_cannot_be_teacher_forced_says_so(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=generate", "experiment=parity"))
+    assert record["status"] == "ok" and "parity_sequence_kl_mean" not in record["measurements"]
+    assert "cannot be fed tokens step by step" in record["outputs"]["sequence_kl"]
