@@ -6,30 +6,44 @@ recompute the articles' own derived figures from ``evidence/published/``.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
+from decodebench.stats import Interval
+from reports import uncertainty
+from reports.uncertainty import Ratio
+
 HEADER = """\
 # ARITHMETIC, not measurement: every derived figure decodebench reports, with its formula and inputs.
 # Inputs are cited by file: measured evidence (evidence/runs/...) or published data (evidence/published/...).
-# Rates are medians of raw samples pooled over the files named; a ratio of two engines divides two such medians.
+# Rates are medians of raw samples pooled over the files named, each with its 95% bootstrap interval and n
+# ("45.2 tok/s [44.8, 45.9] n=6"); a ratio of two engines divides two such medians, its interval from the
+# samples of both sides ("6.50x [6.00, 7.00] n=6/4"), and is "no measurable difference" when that interval
+# contains 1. Only rows whose cells are VALID are here (verdicts: REPORT.md, "Verdict per cell").
 """
 
 
 @dataclass
 class Input:
+    """One input of a derived figure; ``interval`` when it is the median of samples."""
+
     name: str
     value: float
     unit: str
     source: str
     note: str = ""
+    interval: Interval | None = None
+
+    def shown(self) -> str:
+        return fmt(self.value, self.unit) if self.interval is None else fmt_interval(self.interval, self.unit)
 
 
 @dataclass
 class Entry:
-    """One derived figure."""
+    """One derived figure; ``interval`` when it is made from samples, ``ratio`` when it divides two."""
 
     key: str
     what: str
@@ -39,36 +53,60 @@ class Entry:
     unit: str
     notes: list[str] = field(default_factory=list)
     stated: str | None = None  # a published figure's printed value, as printed
-    agrees: bool | None = None  # the result rounds to ``stated`` at its printed precision
+    agrees: bool | None = None  # the result rounds to ``stated`` at its printed precision (None: not a number)
     row: tuple[str, str] | None = None  # the measured decode row it belongs to: (engine, key)
+    interval: Interval | None = None
+    ratio: Ratio | None = None
+
+    def shown(self) -> str:
+        """The result as the report prints it: a ratio's text, a figure with its interval, or the value."""
+        if self.ratio is not None:
+            return self.ratio.text()
+        if self.interval is not None and self.result is not None:
+            return fmt_interval(self.interval, self.unit)
+        return fmt(self.result, self.unit)
 
     def text(self) -> str:
         lines = [f"[{self.key}]", f"what:    {self.what}", f"formula: {self.formula}"]
         for i, item in enumerate(self.inputs):
             label = "inputs:  " if i == 0 else "         "
             extra = f" ({item.note})" if item.note else ""
-            lines.append(f"{label}{item.name} = {fmt(item.value, item.unit)}{extra} <- {item.source}")
-        lines.append(f"result:  {fmt(self.result, self.unit)}")
+            lines.append(f"{label}{item.name} = {item.shown()}{extra} <- {item.source}")
+        lines.append(f"result:  {self.shown()}")
+        if self.ratio is not None and not self.ratio.measurable:
+            lines.append(f"note:    median ratio {fmt(self.result, self.unit)}: {self.ratio.verdict()}")
         lines += [f"note:    {n}" for n in self.notes]
         return "\n".join(lines)
 
 
+def _number(value: float, unit: str) -> str:
+    """``value`` rounded by unit: 4 significant figures, ratios to 2 decimals, money to cents, % to 0.1."""
+    if unit == "x" or unit.startswith("USD"):
+        return f"{value:.2f}"
+    if unit == "%":
+        return f"{value:.1f}"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}".replace(",", "_")
+    return f"{value:.4g}"
+
+
 def fmt(value: float | None, unit: str) -> str:
-    """Sensible rounding by unit: 4 significant figures, ratios to 2 decimals, money to cents."""
+    """A value with its unit, rounded by ``_number``: ``6.50x``, ``5.13 USD/Mtok``, ``12.3 %``, ``45.2 tok/s``."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return f"n/a {unit}".strip()
-    if unit == "x":
-        return f"{value:.2f}x"
-    if unit.startswith("USD"):
-        return f"{value:.2f} {unit}"
-    if unit == "%":
-        return f"{value:.1f} %"
-    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e15:
-        return f"{int(value):,} {unit}".replace(",", "_")
-    return f"{value:.4g} {unit}"
+    text = _number(value, unit)
+    return f"{text}x" if unit == "x" else f"{text} {unit}".strip()
 
 
-NOTHING_MEASURED = "nothing measured yet: no ok decode cell in the evidence (run `make demo` or `python run.py`)"
+def fmt_interval(interval: Interval, unit: str) -> str:
+    """A sampled figure with its unit, 95% interval and n: ``45.2 tok/s [44.8, 45.9] n=6``."""
+    return f"{fmt(interval.value, unit)} {uncertainty.bounds(interval, lambda v: _number(v, unit))} n={interval.n}"
+
+
+NOTHING_MEASURED = (
+    "nothing measured yet: no VALID decode cell in the evidence (REPORT.md names each cell's verdict; "
+    "run `make demo` or `python run.py`)"
+)
 
 
 def render(measured: list[Entry], recomputed: list[Entry]) -> str:
@@ -86,18 +124,24 @@ def render(measured: list[Entry], recomputed: list[Entry]) -> str:
 
 
 def _rate_input(name: str, row: pd.Series) -> Input:
-    return Input(name, row.decode_median, "tok/s", ", ".join(row.files), note=f"median of {row.n}")
+    return Input(name, row.decode_median, "tok/s", ", ".join(row.files), "pooled median", row.decode)
 
 
 def _sweep_rate_input(name: str, run: dict[str, Any], sweep: str) -> Input:
-    return Input(name, run["median"], "tok/s", ", ".join(run["files"]), note=f"median of {run['n']}, sweep {sweep}")
+    return Input(name, run["interval"].value, "tok/s", ", ".join(run["files"]), f"sweep {sweep}", run["interval"])
 
 
-def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
-    """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype."""
+# Rows compared by a ratio share these (and so their environment, A/A copy and prompt) besides the engine.
+RATIO_SAME = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens", "prompt_tokens",
+              "fingerprint", "replica"]  # fmt: skip
+
+
+def decode_ratios(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> list[Entry]:
+    """Each engine's decode rate as a multiple of ``generate`` on the same device, checkpoint, context, dtype,
+    prompt and environment, with the interval from both rows' samples; ``floors``: the A/A noise floor of
+    each environment (``reports.noise.floors``)."""
     entries = []
-    same = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens"]
-    for _, group in decode.groupby(same, sort=True):
+    for _, group in decode.groupby(RATIO_SAME, sort=True, dropna=False):
         base = group[(group.engine == "generate") & (group.read_every == 0)]
         if base.empty:
             continue
@@ -105,32 +149,36 @@ def decode_ratios(decode: pd.DataFrame) -> list[Entry]:
         for _, row in group.sort_values(["engine", "read_every"]).iterrows():
             if row.engine == "generate":
                 continue
+            ratio = uncertainty.ratio(row.decode_values, base_row.decode_values, (floors or {}).get(row.fingerprint))
             entries.append(
                 Entry(
                     key=f"decode-ratio/{row.engine}-vs-generate/{row.key}",
                     what=f"decode rate of {row.engine} as a multiple of generate, same device and checkpoint",
                     formula=f"{row.engine}_tok_s / generate_tok_s",
                     inputs=[_rate_input(f"{row.engine}_tok_s", row), _rate_input("generate_tok_s", base_row)],
-                    result=row.decode_median / base_row.decode_median,
+                    result=ratio.value,
                     unit="x",
                     row=(row.engine, row.key),
+                    ratio=ratio,
                 )
             )
     return entries
 
 
-JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens"]
+JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens", "prompt_tokens", "fingerprint",
+                 "replica"]  # fmt: skip
 JAX_GAP_PUBLISHED = ("jax_vs_best_torch_nb03", "jax_w4a16_vs_best_torch_nb03", "jax_vs_table4_nb04")
 
 
-def jax_gap(decode: pd.DataFrame) -> list[Entry]:
-    """Each JAX row against the fastest PyTorch way on the same device, checkpoint, context, dtype and N,
-    measured in a sweep the JAX row was measured in (a ratio from one run: machines of one kind
-    differ); the Rust engine is neither. The articles' 14.8x / 11.7x / 2.6x are ``JAX_GAP_PUBLISHED``."""
+def jax_gap(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> list[Entry]:
+    """Each JAX row against the fastest PyTorch way on the same device, checkpoint, context, dtype, N and
+    environment, measured in a sweep the JAX row was measured in (a ratio from one run: machines of one kind
+    differ), with the interval from both sides' samples in that sweep; the Rust engine is neither. The
+    articles' 14.8x / 11.7x / 2.6x are ``JAX_GAP_PUBLISHED``."""
     entries: list[Entry] = []
     if decode.empty:
         return entries
-    for _, group in decode[decode.read_every == 0].groupby(JAX_GAP_GROUP, sort=True):
+    for _, group in decode[decode.read_every == 0].groupby(JAX_GAP_GROUP, sort=True, dropna=False):
         torch_ways = group[~group.engine.isin(["jax", "rust"])]
         for _, peer in group[group.engine == "jax"].iterrows():
             shared = [s for s in peer.by_sweep if any(s in w for w in torch_ways.by_sweep)]
@@ -138,8 +186,9 @@ def jax_gap(decode: pd.DataFrame) -> list[Entry]:
                 continue
             sweep = shared[-1]  # the newest shared run, by name: both medians from its files only
             candidates = [w for _, w in torch_ways.iterrows() if sweep in w.by_sweep]
-            fastest = max(candidates, key=lambda w: w.by_sweep[sweep]["median"])
+            fastest = max(candidates, key=lambda w: w.by_sweep[sweep]["interval"].value)
             jax_run, torch_run = peer.by_sweep[sweep], fastest.by_sweep[sweep]
+            ratio = uncertainty.ratio(jax_run["values"], torch_run["values"], (floors or {}).get(peer.fingerprint))
             entries.append(
                 Entry(
                     key=f"jax-vs-fastest-pytorch/{peer.key}",
@@ -150,47 +199,65 @@ def jax_gap(decode: pd.DataFrame) -> list[Entry]:
                         _sweep_rate_input("jax_tok_s", jax_run, sweep),
                         _sweep_rate_input(f"fastest_pytorch_tok_s ({fastest.engine})", torch_run, sweep),
                     ],
-                    result=jax_run["median"] / torch_run["median"],
+                    result=ratio.value,
                     unit="x",
                     row=("jax", peer.key),
+                    ratio=ratio,
                 )
             )
     return entries
 
 
+def _scaled(interval: Interval, f: Any) -> Interval:
+    """``interval`` through a monotone ``f`` (bounds swapped when ``f`` decreases): a figure proportional
+    or inversely proportional to a median has its interval at the median's bounds."""
+    if not interval.known:
+        return Interval(f(interval.value), None, None, interval.n)
+    low, high = sorted((f(interval.low), f(interval.high)))
+    return Interval(f(interval.value), low, high, interval.n)
+
+
 def costs(decode: pd.DataFrame) -> list[Entry]:
-    """USD per million output tokens at one request at a time, from the hardware's price per hour."""
+    """USD per million output tokens at one request at a time, from the row's own price per hour (every
+    file of the row must record the same price); the interval is the price over the rate's bounds."""
     entries = []
     for _, row in decode.iterrows():
         price = row.price_usd_per_hour
         key, cell = f"usd-per-mtok/{row.engine}/{row.key}", (row.engine, row.key)
         rate = _rate_input("rate", row)
-        if price is None or (isinstance(price, float) and math.isnan(price)):
-            no_price = f"hardware {row.hardware} has no price per hour: set hardware.price_usd_per_hour="
+        if _missing(price):
+            why = row.price_note or f"hardware {row.hardware} has no price per hour: set hardware.price_usd_per_hour="
             what = f"USD per million output tokens, {row.engine}"
-            entries.append(
-                Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [no_price], row=cell)
-            )
+            entries.append(Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [why], row=cell))
             continue
+        interval = _scaled(row.decode, lambda r, price=price: price / (r * 3600) * 1e6)
         entries.append(
             Entry(
                 key,
                 f"USD per million output tokens, {row.engine}, one request at a time",
                 "price / (rate * 3600) * 1e6",
                 [Input("price", price, "USD/h", f"conf/hardware/{row.hardware}.yaml (recorded in the evidence)"), rate],
-                price / (row.decode_median * 3600) * 1e6,
+                interval.value,
                 "USD/Mtok",
-                ["excludes disks, network and idle time; assumes the chip is busy decoding"],
+                [
+                    "excludes disks, network and idle time; assumes the chip is busy decoding",
+                    "interval: the price over the rate's interval bounds (a higher rate costs less)",
+                ],  # fmt: skip
                 row=cell,
+                interval=interval,
             )
         )
     return entries
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def bytes_per_token(
     shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int, int4_linears: bool = False
 ) -> tuple[float, float, dict[str, float]]:
-    """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``.
+    """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``, in bytes.
 
     ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
     MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
@@ -225,71 +292,103 @@ def bytes_per_token(
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes read per decoded token at ``position`` (the middle of the decode: prompt + N // 2)."""
+
+    total: float
+    kv: float
+    parts: dict[str, float]
+    position: int
+
+
+def token_bytes(
+    model: dict[str, Any], dtype: str, prompt_tokens: Any, max_new_tokens: Any, weights: str
+) -> TokenBytes | None:
+    """``bytes_per_token`` of a cell from its evidence (the model block's shape and layers, its dtype, prompt
+    and N, ``engine.weights``); None when the evidence lacks the layout or the prompt's length."""
+    if not model.get("layers") or _missing(prompt_tokens) or _missing(max_new_tokens) or dtype not in DTYPE_BYTES:
+        return None
+    position = int(prompt_tokens + max_new_tokens // 2)
+    weight, kv, parts = bytes_per_token(
+        model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights == "int4"
+    )
+    return TokenBytes(weight + kv, kv, parts, position)
+
+
 def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
-    """Bytes read per decoded token and the fraction of the memory-bandwidth roofline achieved."""
+    """Bytes read per decoded token and the fraction of the memory-bandwidth roofline achieved, from the
+    row's own prompt and bandwidth (``row.bandwidth_note`` says when its files measured different ones)."""
     entries = []
     for _, row in decode.iterrows():
-        model = models.get(row.files[-1], {})
-        if not model.get("layers") or row.bandwidth_gb_s is None:
+        read = token_bytes(
+            models.get(row.files[0], {}), row["dtype"], row.prompt_tokens, row.max_new_tokens, row.weights
+        )
+        if read is None or _missing(row.bandwidth_gb_s):
             continue
-        position = int(row.prompt_tokens + row.max_new_tokens // 2)
         int4 = row.weights == "int4"
-        weights, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[row["dtype"]], position, int4)
-        per_token = weights + kv
         label = row.key
         entries.append(
             Entry(
                 f"bytes-per-token/{row.engine}/{label}",
                 f"bytes read per decoded token by {row.engine} (linears {'int4 + scales' if int4 else row['dtype']}, "
-                f"the rest at the engine's resident {row['dtype']} precision, KV at position {position})",
+                f"the rest at the engine's resident {row['dtype']} precision, KV at position {read.position})",
                 "linears + lm_head + embedding rows + KV(position)",
-                [Input(name, value, "B", f"model shape and layers in {row.files[-1]}") for name, value in parts.items()]
+                [
+                    Input(name, value, "B", f"model shape and layers in {row.files[0]}")
+                    for name, value in read.parts.items()
+                ]
                 + [
                     Input(
                         "KV(position)",
-                        kv,
+                        read.kv,
                         "B",
                         "sum over layers of 2 * kv_heads * head_dim * bytes * "
                         "(position if full else min(position, window))",
                     )
                 ],
-                per_token,
+                read.total,
                 "B",
                 ["norms (under 1 MB) are left out; engines that attend over every slot read more KV than this"],
             )
         )
-        achieved = per_token * row.decode_median / 1e9
+        interval = _scaled(row.decode, lambda r, b=read.total, bw=row.bandwidth_gb_s: 100 * b * r / 1e9 / bw)
+        notes = [f"achieved {read.total * row.decode_median / 1e9:.4g} GB/s"]
         entries.append(
             Entry(
                 f"roofline/{row.engine}/{label}",
                 f"fraction of the memory-bandwidth roofline {row.engine} achieves",
                 "bytes_per_token * rate / bandwidth",
                 [
-                    Input("bytes_per_token", per_token, "B", f"[bytes-per-token/{row.engine}/{label}]"),
+                    Input("bytes_per_token", read.total, "B", f"[bytes-per-token/{row.engine}/{label}]"),
                     _rate_input("rate", row),
                     Input(
                         "bandwidth",
                         row.bandwidth_gb_s,
                         "GB/s",
-                        f"{row.bandwidth_source} for {row.hardware}, recorded in {row.files[-1]}",
+                        f"{row.bandwidth_source} for {row.hardware}, recorded in {', '.join(row.files)}",
                     ),
                 ],
-                100 * achieved / row.bandwidth_gb_s,
+                interval.value,
                 "%",
-                [f"achieved {achieved:.4g} GB/s"],
+                notes + ([row.bandwidth_note] if row.bandwidth_note else []),
                 row=(row.engine, row.key),
+                interval=interval,
             )
         )
     return entries
 
 
-def measured(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
-    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode cell is ok.
+def measured(
+    decode: pd.DataFrame, models: dict[str, dict[str, Any]], floors: dict[str, float] | None = None
+) -> list[Entry]:
+    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode row is VALID.
 
-    ``models``: each evidence file's model block (shape and per-layer layout)."""
+    ``models``: each evidence file's model block (shape and per-layer layout); ``floors``: the A/A noise
+    floor per environment fingerprint."""
     if decode.empty:
         return []
-    return [*decode_ratios(decode), *jax_gap(decode), *costs(decode), *roofline(decode, models)]
+    return [*decode_ratios(decode, floors), *jax_gap(decode, floors), *costs(decode), *roofline(decode, models)]
 
 
 DERIVED_COLUMNS = {
@@ -301,38 +400,57 @@ DERIVED_COLUMNS = {
 
 
 def with_derived_columns(decode: pd.DataFrame, entries: list[Entry]) -> pd.DataFrame:
-    """The decode table with each row's derived figures as columns (``generate`` is 1.0 x itself)."""
+    """The decode table with each row's derived figures as columns, the value in ``<column>`` and the text
+    the report prints (with its interval) in ``<column>_shown`` (``generate`` is 1.00x itself)."""
     table = decode.copy()
     for prefix, column in DERIVED_COLUMNS.items():
-        values = {e.row: e.result for e in entries if e.key.startswith(prefix) and e.row is not None}
-        table[column] = [values.get((r.engine, r.key)) for _, r in table.iterrows()]
+        found = {e.row: e for e in entries if e.key.startswith(prefix) and e.row is not None}
+        table[column] = [found[(r.engine, r.key)].result if (r.engine, r.key) in found else None
+                         for _, r in table.iterrows()]  # fmt: skip
+        table[f"{column}_shown"] = [found[(r.engine, r.key)].shown() if (r.engine, r.key) in found else "–"
+                                    for _, r in table.iterrows()]  # fmt: skip
     if not table.empty:
         table.loc[table.engine == "generate", "x_generate"] = 1.0
+        table.loc[table.engine == "generate", "x_generate_shown"] = "1.00x"
     return table
 
 
 # ---------------------------------------------------------------- published ---------------------------------------
 
 
-def agrees_as_printed(result: float, printed: str) -> bool:
-    """True when ``result``, rounded to the precision ``printed`` shows, reads exactly ``printed``.
+# A number as the articles print it: digits grouped by thousands ("6,601") or not, decimals, an exponent.
+_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+# One number, or a range of two ("91-95", "9.1 to 9.4"); a trailing "%", "x" or "×" is the unit, not the number.
+_PRINTED = re.compile(rf"^(?P<low>{_NUMBER})(?:\s*(?:-|–|to)\s*(?P<high>{_NUMBER}))?\s*[%x×]?$")
+
+
+def agrees_as_printed(result: float, printed: str) -> bool | None:
+    """Whether ``result``, rounded to the precision ``printed`` shows, reads as ``printed``; None when
+    ``printed`` is not a number or a range of two as the articles print them ("about twice").
 
     The precision is the printed string's own, trailing zeros included: "25.0" has one decimal, so
-    25.08 reads "25.1" and does not agree; "130.8" needs 130.75 <= result < 130.85; "6601" needs
-    the integer; "0.0e+00" compares in the same exponent form with one mantissa decimal.
+    25.08 reads "25.1" and does not agree; "130.8" needs 130.75 <= result < 130.85; "6601" and "6,601"
+    need the integer; "0.0e+00" compares in the same exponent form with one mantissa decimal; "95%" and
+    "14.8x" compare their number. A range "91-95" agrees when the result, rounded at each end's precision,
+    lies between the ends (94.6 rounds to 95: agrees; 95.6 rounds to 96: differs).
     """
-    text = printed.strip().replace("_", "")
-    if "e" in text.lower():
-        mantissa = text.lower().split("e")[0]
-        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
-        return _unsigned_zero(f"{result:.{decimals}e}") == _unsigned_zero(f"{float(text):.{decimals}e}")
-    decimals = len(text.split(".")[1]) if "." in text else 0
-    return _unsigned_zero(f"{result:.{decimals}f}") == text
+    match = _PRINTED.match(printed.strip().replace("_", ""))
+    if match is None:
+        return None
+    low, high = match["low"], match["high"] or match["low"]
+    at_low, low_value = _at_precision(result, low)
+    at_high, high_value = _at_precision(result, high)
+    return low_value <= at_low and at_high <= high_value
 
 
-def _unsigned_zero(text: str) -> str:
-    """ "-0.0" reads as "0.0": a negative result that rounds to zero agrees with a printed zero."""
-    return text[1:] if text.startswith("-") and float(text) == 0 else text
+def _at_precision(result: float, printed: str) -> tuple[float, float]:
+    """``result`` rounded to the precision of the printed number ``printed``, and that number; a negative
+    result that rounds to zero equals a printed zero (-0.0 == 0.0)."""
+    text = printed.replace(",", "")
+    mantissa, exponent, _ = text.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    form = "e" if exponent else "f"
+    return float(f"{result:.{decimals}{form}}"), float(f"{float(text):.{decimals}{form}}")
 
 
 def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str, Any]]]) -> list[Entry]:
@@ -356,7 +474,8 @@ def published(figures: dict[str, pd.DataFrame], derived: dict[str, list[dict[str
                 inputs.append(Input(var, float(value), fig["unit"], f"{source}#{ref}"))
             result = float(pd.eval(item["formula"], local_dict=env, engine="python"))
             agrees = agrees_as_printed(result, stated)
-            verdict = "agrees at the printed precision" if agrees else "differs at the printed precision"
+            verdict = {True: "agrees at the printed precision", False: "differs at the printed precision",
+                       None: "not a number as printed: not compared"}[agrees]  # fmt: skip
             notes = [f"stated: {stated} {item['unit']} ({verdict}); {item['source']}"]
             if item.get("note"):
                 notes.append(item["note"])

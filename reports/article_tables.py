@@ -15,7 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from decodebench.evidence import Record
+from decodebench.evidence import Record, Samples
+from decodebench.stats import median_interval
+from reports import uncertainty
 from reports.published import Published, span
 
 ARTICLE = "torchtpu-colab"
@@ -87,6 +89,12 @@ def listed(values: list[float], digits: int = 1) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
+def measured_text(r: Record, name: str, show: Callable[[Any], str]) -> str:
+    """A measurement as ``show`` prints it; one made of samples as their median with its 95% interval and n."""
+    m = r.measurements.get(name)
+    return uncertainty.figure(median_interval(m.values), show) if isinstance(m, Samples) else show(r.value(name))
+
+
 def mode_value(mode: str, name: str, show: Callable[[Any], str]) -> Callable[[Record], str]:
     """A mode's measurement, or the mode's status when it did not run."""
 
@@ -94,9 +102,16 @@ def mode_value(mode: str, name: str, show: Callable[[Any], str]) -> Callable[[Re
         outcome = next((m for m in r.outputs.get("modes", []) if m["mode"] == mode), None)
         if outcome is None or outcome["status"] != "ok":
             return outcome["status"] if outcome else "–"
-        return show(r.value(f"modes_{mode}_{name}"))
+        return measured_text(r, f"modes_{mode}_{name}", show)
 
     return get
+
+
+def host_read(r: Record) -> str:
+    """Seconds with ``.item()`` after every step over seconds with one read at the end: the ratio of the two
+    medians, its interval from the pairs (each repeat times both loops, so the samples are paired)."""
+    read = r.outputs["host_read"]
+    return f"{uncertainty.ratio(read['each_step_s'], read['at_end_s'], paired=True).text()} ({read['mode']})"
 
 
 def modes_rows() -> list[Row]:
@@ -162,7 +177,7 @@ def compile_rows() -> list[Row]:
         Row(
             ".item() each step vs one read at the end (x)",
             ("derived:nb01_item_readback_cost",),
-            lambda r: f"{r.value('host_read_ratio'):.2f} ({r.outputs['host_read']['mode']})",
+            host_read,
         ),
     ]
 
@@ -248,7 +263,7 @@ def memory_rows(r: Record, printed: Printed) -> pd.DataFrame:
 
 def wrapper_rows(decode: pd.DataFrame, printed: Printed) -> pd.DataFrame:
     """The compiled step's graphs and breaks with the wrappers on and off (Step 8), beside the article's rows."""
-    columns = ["way", "model", "device", "decode tok/s", "graphs / breaks", PUBLISHED]
+    columns = ["way", "model", "device", "decode tok/s", "verdict", "graphs / breaks", PUBLISHED]
     article = {
         on: f"{printed(f'nb04_{way}_tok_s')} tok/s, {printed(f'nb04_{way}_graphs', f'nb04_{way}_breaks', sep=' / ')}"
         for on, way in ((True, "compiled_wrappers"), (False, "compiled"))
@@ -263,7 +278,8 @@ def wrapper_rows(decode: pd.DataFrame, printed: Printed) -> pd.DataFrame:
                 "way": f"compiled step, wrappers {'on' if on else 'off'} ({d.engine_config})",
                 "model": d.model,
                 "device": d.device,
-                "decode tok/s": f"{d.decode_median:.2f}",
+                "decode tok/s": uncertainty.shown(d.decode),
+                "verdict": d.verdict,
                 "graphs / breaks": "–" if pd.isna(d.graphs) else f"{int(d.graphs)} / {int(d.graph_breaks)}",
                 PUBLISHED: article[on],
             }

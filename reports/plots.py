@@ -20,9 +20,11 @@ def decode_rates(decode: pd.DataFrame, out: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
     labels = list(rows.label)
     ax.barh(labels, rows.decode_median, color="#4477aa")
-    spread = [rows.decode_median - rows.decode_min, rows.decode_max - rows.decode_median]
-    ax.errorbar(rows.decode_median, labels, xerr=spread, fmt="none", ecolor="black", capsize=3)
-    ax.set_xlabel("decode tok/s (median, bars: min to max)")
+    median = rows.decode_median.astype(float)
+    low, high = (rows[c].astype(float).fillna(median) for c in ("decode_low", "decode_high"))
+    ax.errorbar(median, labels, xerr=[median - low, high - median], fmt="none",
+                ecolor="black", capsize=3)  # fmt: skip
+    ax.set_xlabel("decode tok/s (median, bars: 95% interval; none below two samples)")
     ax.set_title("Decode rate per engine (measured)")
     fig.tight_layout()
     fig.savefig(out, **SAVE)
@@ -66,6 +68,32 @@ def memory(decode: pd.DataFrame, out: Path) -> str | None:
     ax.set_xlabel("GB (counter named in the report table)")
     ax.set_title("Memory per engine (measured)")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name
+
+
+def comparison(table: pd.DataFrame, threshold: float, out: Path) -> str | None:
+    """``reports.compare``'s rows: B/A - 1 in percent with its 95% interval, the threshold's line, regressions red."""
+    rows = table[table.ratio.notna()]
+    if rows.empty:
+        return None
+    change, below, above = [], [], []  # percent, and the interval's distance below and above it
+    for r in rows.ratio:
+        known = r.interval.known
+        change.append(100 * (r.value - 1))
+        below.append(100 * (r.value - r.interval.low) if known else 0.0)
+        above.append(100 * (r.interval.high - r.value) if known else 0.0)
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    colors = ["#cc3311" if c == "REGRESSION" else "#4477aa" for c in rows.change]
+    ax.barh(list(rows.label), change, color=colors)
+    ax.errorbar(change, list(rows.label), xerr=[below, above], fmt="none", ecolor="black", capsize=3)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.axvline(-100 * threshold, color="#cc3311", linestyle="--", linewidth=0.8, label=f"-{threshold:.0%} threshold")
+    ax.set_xlabel("B / A - 1, % (decode tok/s; bars: 95% interval)")
+    ax.set_title("B against A (measured)")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, **SAVE)
     plt.close(fig)

@@ -16,12 +16,12 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from reports import arithmetic, article_tables, plots
+from reports import arithmetic, article_tables, noise, plots, uncertainty, verdicts
 from reports import published as published_data
 from reports.tables.bench import bench_table
 from reports.tables.boot import boot_runs
 from reports.tables.cells import load as load_evidence
-from reports.tables.decode import decode_table
+from reports.tables.decode import decode_table, left_out
 from reports.tables.recall import recall_table
 from reports.tables.serving import serve_table
 from reports.tables.sweeps import sweeps_table
@@ -86,9 +86,12 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     ``arithmetic.txt`` is written (the articles' figures recomputed, nothing measured) and the report is None."""
     ev = load_evidence(evidence_dir, REPO)
     pub = published_data.load(published_dir)
-    decode = decode_table(ev.cells)
+    judged = verdicts.judge(ev.cells, ev.records)
+    every_row = decode_table(ev.cells, judged)
+    decode = every_row[every_row.verdict == verdicts.VALID]
+    pairs = noise.aa_pairs(every_row)
     models = {f: r["model"] for f, r in ev.records.items()}
-    measured = arithmetic.measured(decode, models)
+    measured = arithmetic.measured(decode, models, noise.floors(pairs))
     recomputed = arithmetic.published(pub.figures, pub.derived)
     arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
     arithmetic_out.write_text(arithmetic.render(measured, recomputed))
@@ -108,7 +111,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span)
+    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span, ci=uncertainty.shown)
     cells = ev.cells
     recall = recall_table(ev.records)
     too_long = recall.reason.fillna("").str.contains("does not fit context")
@@ -120,13 +123,17 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         chat_screenshot=chat_screenshot(serving, evidence_dir, report.parent),
         cells=cells,
         decode=arithmetic.with_derived_columns(decode, measured),
+        decode_left_out=left_out(every_row),
+        verdict_table=verdicts.table(cells, judged),
+        aa_pairs=pairs,
+        noise_floors=noise.floors(pairs),
         recall=recall[~too_long],
         recall_not_fitting=int(too_long.sum()),
         parity=cells[(cells.experiment == "parity") & (cells.status == "ok")].sort_values(["model", "engine", "file"]),
         not_ok=cells[cells.status != "ok"].sort_values("file"),
         environments=cells.drop_duplicates(
-            ["device", "device_name", "cpu_model", "torch", "transformers", "git_sha"]
-        ).sort_values(["device", "git_sha"]),
+            ["fingerprint", "device", "device_name", "cpu_model", "torch", "transformers", "git_sha"]
+        ).sort_values(["device", "fingerprint", "git_sha"]),
         synthetic=bool(cells.synthetic.any()),
         sweeps=sweeps_table(cells),
         boot=boot_runs(ev.boot),
@@ -141,7 +148,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         figures=figures,
         published_recall=published_data.recall_table(figures),
         bench=bench_table(evidence_dir.parent / "bench"),
-        why=article_tables.build(ev.records, decode, pub),
+        why=article_tables.build(ev.records, every_row, pub),
         comparator=lambda row: published_data.comparator(
             figures,
             row.engine,

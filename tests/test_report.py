@@ -11,11 +11,16 @@ import pandas as pd
 import pytest
 import yaml
 
+from decodebench import evidence
 from decodebench.checkpoint import layers_of_config, shape_of_config
+from decodebench.stats import median_interval
 from decodebench.synthetic import shape_of, text_config
 from decodebench.synthetic_tokenizer import TURN_END
-from reports import arithmetic, published, render
+from reports import arithmetic, noise, published, render, verdicts
+from reports.tables import cells
 from reports.tables.bench import bench_table
+from reports.tables.decode import decode_table
+from reports.tables.recall import recall_table
 from runner import run_cell
 from tests.conftest import REPO, make_cfg
 
@@ -24,7 +29,8 @@ PUBLISHED = REPO / "evidence" / "published"
 
 @pytest.fixture(scope="module")
 def evidence_dir(tmp_path_factory, cache_dir, tiny) -> Path:
-    """A small real sweep: two engines' decode cells, one parity cell, one skipped cell."""
+    """A small real sweep: two engines' decode cells, their bf16 parity checks (so that their decode
+    cells can be VALID), one float32 parity cell, one skipped cell."""
     from tests.conftest import make_cfg
 
     runs = tmp_path_factory.mktemp("evidence")
@@ -41,8 +47,14 @@ def evidence_dir(tmp_path_factory, cache_dir, tiny) -> Path:
         ["engine=ring", "engine.backend=eager"],
         ["engine=fuse"],
         ["engine=ring", "engine.backend=eager", "experiment=parity", "max_new_tokens=6"],
+        ["engine=generate", "experiment=parity-bf16"],
+        ["engine=ring", "engine.backend=eager", "experiment=parity-bf16"],
     ):
         assert run_cell(make_cfg(*common, *overrides))["status"] in ("ok", "skipped")
+    for path in runs.rglob("*.json"):  # the suite's machine is shared: these tests are about rendering, and
+        record = json.loads(path.read_text())  # the contention rule has tests of its own on synthetic evidence
+        if record["environment"].pop("contention", None) is not None:
+            evidence.write_atomic(path, record)
     return runs
 
 
@@ -66,8 +78,16 @@ def test_report_sections_and_labels(evidence_dir, tmp_path):
     assert "| ring |" in report and "| generate |" in report
     assert "engine fuse runs on tpu" in report  # skipped cells appear with their reason
     assert "## Parity with Transformers" in report and "| pass |" in report
-    assert "[decode-ratio/ring-vs-generate/" in arith and "[roofline/ring/" in arith
     assert "[published/rust-torchtpu/cost_rust_usd_per_mtok]" in arith
+    # Each decode cell is either pooled into a VALID row (its file an input of the row's figures) or left out
+    # and listed with its verdict: a cell measured on a busy machine is INVALID, and the report says why.
+    ev = cells.load(evidence_dir, REPO)
+    every = verdicts.judge(ev.cells, ev.records)
+    decode = ev.cells[(ev.cells.status == "ok") & ev.cells.experiment.isin(cells.DECODE_EXPERIMENTS)]
+    assert set(decode.engine) == {"generate", "ring"}
+    table = report[report.index("## Decode") : report.index("### Memory")]
+    for file in decode.file:
+        assert f"<- {file}" in arith if every[file].valid else f"`{file}` {every[file].text()}" in table
 
 
 def test_a_corrupt_file_is_named_and_the_rest_renders(evidence_dir, tmp_path):
@@ -112,10 +132,32 @@ def test_empty_evidence_still_writes_the_articles_arithmetic(tmp_path, capsys):
         (0.04, "0.0", True),
         (1.2e-3, "1.1e-03", False),
         (13.664, "13.66", True),
+        (94.6, "95%", True),  # as the articles print them: a unit after the number,
+        (94.4, "95%", False),
+        (6601.4, "6,601", True),  # thousands grouped by commas,
+        (6602.0, "6,601", False),
+        (94.6, "91-95", True),  # a range: the value rounded at the printed precision lies in it
+        (95.6, "91-95", False),
+        (90.4, "91-95", False),
+        (9.2, "9.1 to 9.4", True),
+        (14.82, "14.8x", True),
+        (14.86, "14.8x", False),
+        (3.0, "see the note", None),  # not a number (an "e" in it once raised ValueError): not compared
+        (3.0, "none", None),
     ],
 )
 def test_agrees_only_at_the_printed_precision(result, printed, agrees):
     assert arithmetic.agrees_as_printed(result, printed) is agrees
+
+
+def test_a_stated_string_that_is_not_a_number_is_not_compared(tmp_path):
+    data = yaml.safe_load((PUBLISHED / "rust-torchtpu.yaml").read_text())
+    item = next(d for d in data["derived"] if d["id"] == "vllm_vs_rust")
+    data["derived"] = [{**item, "stated": "about twelve"}]
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    pub = published.load(tmp_path)
+    (entry,) = arithmetic.published(pub.figures, pub.derived)
+    assert entry.agrees is None and "not a number as printed: not compared" in entry.notes[0]
 
 
 def test_the_three_entries_that_used_to_say_agrees_now_differ():
@@ -129,9 +171,19 @@ def test_the_three_entries_that_used_to_say_agrees_now_differ():
         entry = entries[f"published/torchtpu-colab/{key}"]
         assert entry.agrees is False and "differs at the printed precision" in entry.notes[0]
         assert len(entry.notes) > 1, "a differing entry explains the article's rounding"
-    for entry in entries.values():
-        if entry.result is not None:
-            assert entry.agrees == arithmetic.agrees_as_printed(entry.result, entry.stated)
+    expected = {  # worked by hand from the published inputs, rounded at the printed precision
+        "rust-torchtpu/vllm_vs_rust": True,  # 144.1 / 12.2 = 11.811 -> "11.8"
+        "rust-torchtpu/rust_vs_tch": True,  # 12.2 / 15.1 = 0.80795 -> "0.81"
+        "torchtpu-colab/jax_vs_best_torch_nb03": False,  # 130.8 / 8.8 = 14.864 -> "14.9", printed "14.8"
+        "torchtpu-colab/nb01_fuse_vs_eager_step": False,  # 2.91 / 1.68 = 1.7321 -> "1.73", printed "1.72"
+        "torchtpu-colab/nb01_eager_tflop_s_from_step": False,  # 275 / 2.91 = 94.502 -> "94.5", printed "94.6"
+        "torchtpu-colab/nb04_table4_x_generate_max": True,  # 50.4 / 5.0 = 10.08 -> "10.1"
+        "torchtpu-colab/nb05_ring_slots_from_window": True,  # 512 + 256 = 768
+        "torchtpu-colab/nb05_recall_33024_61_read_tok_s_calc": False,  # 61 / 0.1 = 610, printed "1218"
+        "torchtpu-colab/mem_chip_gib_to_gb": True,  # 16 * 1.073741824 = 17.18 -> "17.2"
+        "torchtpu-colab/sw_table4_about_10x_generate": True,  # 50.3 / 5.15 = 9.77 -> "10"
+    }
+    assert {key: entries[f"published/{key}"].agrees for key in expected} == expected
 
 
 def test_a_stated_number_that_is_not_the_printed_string_is_refused(tmp_path):
@@ -143,6 +195,7 @@ def test_a_stated_number_that_is_not_the_printed_string_is_refused(tmp_path):
 
 
 def row(**values) -> pd.Series:
+    """A decode table row as ``decode_table`` builds it: ``decode_median`` stands for two equal samples."""
     base = {
         "engine": "ring",
         "engine_config": "",
@@ -158,14 +211,20 @@ def row(**values) -> pd.Series:
         "n": 2,
         "files": ["evidence/runs/x.json"],
         "price_usd_per_hour": 0.60,
+        "price_note": None,
         "hardware": "tpu-v5e-1",
         "bandwidth_gb_s": 858.99,
+        "bandwidth_note": None,
         "bandwidth_source": "facts file",
         "prompt_tokens": 19,
+        "fingerprint": "env",
+        "replica": 0,
         "key": "m/k/tpu/ctx256/bfloat16/N=64/read_every=0",
         "weights": "dense",
     }
-    return pd.Series({**base, **values})
+    merged = {**base, **values}
+    samples = values.get("decode_values", [merged["decode_median"]] * 2)
+    return pd.Series({**merged, "decode_values": samples, "decode": median_interval(samples)})
 
 
 def test_cost_and_ratio_by_hand():
@@ -176,6 +235,25 @@ def test_cost_and_ratio_by_hand():
     # 0.60 USD/h / (32.5 tok/s * 3600 s/h) * 1e6 = 5.128... USD per million tokens
     assert cost["compiled"].result == pytest.approx(5.1282, rel=1e-4)
     assert "5.13 USD/Mtok" in cost["compiled"].text()
+
+
+def test_a_ratio_carries_the_interval_of_both_sides_by_hand():
+    """For two samples a < b the percentile bootstrap's median is (a+b)/2 and its interval exactly [a, b]
+    (a resample's median is a, (a+b)/2 or b, with chances 1/4, 1/2, 1/4); over a constant 10 tok/s, the
+    ratio's interval is [a/10, b/10]."""
+    decode = pd.DataFrame([row(engine="generate", decode_values=[10.0, 10.0]), row(decode_values=[60.0, 70.0])])
+    (entry,) = arithmetic.decode_ratios(decode)
+    assert (entry.ratio.value, entry.ratio.interval.low, entry.ratio.interval.high) == (6.5, 6.0, 7.0)
+    assert entry.shown() == "6.50x [6.00, 7.00] n=2/2"
+    assert "ring_tok_s = 65 tok/s [60, 70] n=2" in entry.text() and "result:  6.50x [6.00, 7.00] n=2/2" in entry.text()
+
+
+def test_a_ratio_whose_interval_contains_one_is_no_measurable_difference():
+    decode = pd.DataFrame([row(engine="generate", decode_values=[10.0, 12.0]), row(decode_values=[10.5, 11.5])])
+    (entry,) = arithmetic.decode_ratios(decode)
+    assert entry.ratio.interval.low < 1 < entry.ratio.interval.high
+    assert entry.shown().startswith("no measurable difference [") and "x" not in entry.shown().split("]")[0]
+    assert "result:  no measurable difference" in entry.text()
 
 
 def e2b_model_block() -> dict:
@@ -198,8 +276,16 @@ def test_roofline_fraction_by_hand():
     decode = pd.DataFrame([row(decode_median=50.0, prompt_tokens=96, max_new_tokens=64)])
     models = {"evidence/runs/x.json": e2b_model_block()}
     entries = {e.key.split("/")[0]: e for e in arithmetic.roofline(decode, models)}
-    per_token = entries["bytes-per-token"].result
-    assert entries["roofline"].result == pytest.approx(100 * per_token * 50.0 / 1e9 / 858.99)
+    position = 96 + 64 // 2  # the middle of the decode
+    per_token = (
+        1_876_819_968 * 2  # E2B's quantizable linears in bf16 (notes 1.5)
+        + 262144 * 1536 * 2  # lm_head: vocab x hidden, bf16
+        + (1536 + 35 * 256) * 2  # one row of each embedding table: hidden + 35 layers x 256 per-layer inputs
+        + 28672 * min(position, 512)  # notes 1.6: sliding layers' KV, bounded by the window
+        + 14336 * position  # notes 1.6: full layers' KV
+    )
+    assert per_token == 4_564_472_320 and entries["bytes-per-token"].result == per_token
+    assert entries["roofline"].result == pytest.approx(100 * 4_564_472_320 * 50.0 / 1e9 / 858.99)  # 26.57 %
 
 
 def test_published_data_loads_and_recomputes_the_articles():
@@ -306,3 +392,299 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     table = bench_table(tmp_path)
     assert list(table.linear) == ["1536x12288"] * 2
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
+
+
+# ---------------------------------------------------------------- synthetic evidence ---------------------------------
+
+TINY_MODEL = {  # one full-attention layer, small enough to count its bytes per token by hand
+    "shape": {"hidden_size": 8, "num_attention_heads": 1, "hidden_size_per_layer_input": 2, "vocab_size": 16,
+              "sliding_window": 4},
+    "layers": [{"type": "full_attention", "kv_source": 0, "head_dim": 4, "kv_heads": 1, "intermediate_size": 16}],
+}  # fmt: skip
+# Bytes read per token by TINY_MODEL in bf16 at prompt 10, N 8 (position 10 + 8 // 2 = 14), counted by hand:
+# q, o 2 x 8 x 4 + k, v 2 x 8 x 4 + MLP 3 x 8 x 16 + per-layer projections 2 x 8 x 2 + model projection 8 x 2
+# = 560 weights x 2 B; lm_head 16 x 8 x 2 B; one row of each table (8 + 2) x 2 B; K and V 2 x 4 x 2 B x 14 slots.
+TINY_BYTES = 560 * 2 + 16 * 8 * 2 + (8 + 2) * 2 + 2 * 4 * 2 * 14
+CHECKS_HOLD = [{"rule": "exactly N tokens in every call", "holds": True, "detail": "5 calls"},
+               {"rule": "T_N > T_1 in every pair (N=8)", "holds": True, "detail": "2 pairs"}]  # fmt: skip
+QUIET = {"contended": False, "other_cores": 0.02, "threshold_cores": 0.25, "load_avg": [0.1, 0.1, 0.1]}
+
+
+def cell_record(
+    engine: str = "ring",
+    values: tuple[float, ...] = (50.0, 51.0),
+    *,
+    sweep: str = "s",
+    experiment: str = "decode",
+    status: str = "ok",
+    dtype: str = "bfloat16",
+    settings: dict | None = None,
+    replica: int | None = None,
+    fingerprint: str | None = "env-a",
+    checks: list | None = CHECKS_HOLD,
+    contention: dict | None = QUIET,
+    verdict: str = "pass",
+    bandwidth: float | None = 100.0,
+    price: float | None = None,
+    cpu_model: str = "cpu-x",
+    torch: str = "2.13.0",
+    git_sha: str = "a" * 40,
+    recall: list | None = None,
+) -> dict:
+    """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
+    ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
+    (``replica``, ``fingerprint``, ``checks``, ``contention``); a parity cell passes with ``verdict``."""
+    parity = experiment == "parity"
+    experiment_cfg = {"name": experiment}
+    if parity:
+        experiment_cfg.update(all_tokens=dtype == "float32", kl_mean=1e-3, kl_max=1e-2)
+    config = {"engine": {"name": engine, **(settings or {})}, "model": {"name": "m", "source": "synthetic"},
+              "device": {"kind": "cpu"}, "experiment": experiment_cfg, "hardware": {"name": "cpu"}, "context": 256,
+              "max_new_tokens": 8, "repeats": len(values), "dtype": dtype, "prompt": "p", "read_every": 0}  # fmt: skip
+    if replica is not None:
+        config["replica"] = replica
+    environment = {"python": "3.11", "packages": {"torch": torch, "transformers": "5.0"}, "device_kind": "cpu",
+                   "device_name": cpu_model, "cpu_model": cpu_model, "cpu_flags": ["avx2"], "git_sha": git_sha,
+                   "git_dirty": False, "utc_time": "2026-01-01T00:00:00Z"}  # fmt: skip
+    for name, value in (("fingerprint", fingerprint), ("contention", contention)):
+        if value is not None:
+            environment[name] = value
+    measurements, outputs = {}, {}
+    if status == "ok" and parity:
+        outputs["verdict"] = verdict
+    elif status == "ok":
+        measurements = {"decode_tok_s": evidence.samples(list(values), "tok/s", formula="(N-1)/(T_N-T_1)"),
+                        "prompt_tokens": evidence.scalar(10, "tok"), "max_new_tokens": evidence.scalar(8, "tok"),
+                        "first_call_s": evidence.scalar(2.0, "s"), "load_s": evidence.scalar(1.0, "s")}  # fmt: skip
+    if checks is not None and status == "ok":
+        outputs["checks"] = checks
+    if recall is not None:
+        outputs["recall"] = recall
+    hardware = {"name": "cpu", "memory_bandwidth_gb_s": bandwidth, "bandwidth_source": "measured",
+                "price_usd_per_hour": price}  # fmt: skip
+    name = "-".join(str(p) for p in (engine, experiment, dtype, *sorted((settings or {}).items()), replica) if p)
+    record = evidence.Record(
+        cell=name.replace(" ", "").replace("'", "").replace(",", "=").replace("(", "").replace(")", ""),
+        sweep=sweep,
+        config=config,
+        config_hash=evidence.config_hash(config),
+        environment=environment,
+        model={"synthetic": True, "kind": "synthetic", "key": "m-k", **TINY_MODEL},
+        status=status,
+        reason=None if status == "ok" else f"the cell {status}",
+        hardware=hardware,
+        measurements=measurements,
+        outputs=outputs,
+        timers={"parity": "not timed"}
+        if parity
+        else {"decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair"},
+    ).to_json()
+    evidence.validate(record)
+    return record
+
+
+def write(folder: Path, *records: dict) -> Path:
+    """Each record as ``folder/<sweep>/<cell>.json``; the folder."""
+    for record in records:
+        evidence.write_atomic(folder / record["sweep"] / f"{record['cell']}.json", record)
+    return folder
+
+
+def judged(folder: Path) -> tuple[cells.Evidence, dict[str, verdicts.Verdict], pd.DataFrame]:
+    ev = cells.load(folder, REPO)
+    every = verdicts.judge(ev.cells, ev.records)
+    return ev, every, decode_table(ev.cells, every)
+
+
+def by_engine(every: dict[str, verdicts.Verdict]) -> dict[str, verdicts.Verdict]:
+    return {Path(f).stem: v for f, v in every.items()}
+
+
+def test_each_rule_gives_its_verdict_and_names_its_figure(tmp_path):
+    bf16_pass = [cell_record(e, experiment="parity") for e in ("ring", "generate", "compiled", "static")]
+    old = dict(fingerprint=None, checks=None, contention=None)
+    broken_pair = [CHECKS_HOLD[0], {"rule": "T_N > T_1 in every pair (N=8)", "holds": False,
+                                    "detail": "T_1 = 0.500000 s, T_N = 0.400000 s"}]  # fmt: skip
+    loaded = {"contended": True, "other_cores": 0.8, "threshold_cores": 0.25, "load_avg_end": [1.5, 1.2, 1.0]}
+    write(
+        tmp_path,
+        *bf16_pass,
+        cell_record("table4", experiment="parity", contention=loaded),  # not timed: contention cannot touch it
+        cell_record("ring"),
+        cell_record("generate", checks=broken_pair),
+        cell_record("compiled", contention=loaded),
+        cell_record("static", bandwidth=5e-5),  # 1,620 B x 50.5 tok/s = 8.181e-05 GB/s > 5e-05 GB/s
+        cell_record("table4", **old),
+        cell_record("jax"),
+        cell_record("rust", status="failed"),
+        cell_record("fuse", status="skipped"),
+        cell_record("ring", sweep="other", settings={"attend": "filled"}),
+        cell_record("ring", sweep="checks", experiment="parity", settings={"attend": "filled"}),
+    )
+    _, every, _ = judged(tmp_path)
+    got = by_engine(every)
+    assert got["ring-decode-bfloat16"].text() == "VALID"
+    assert got["ring-decode-bfloat16"].notes == ("parity passed in the same sweep: bfloat16: KL mean <= 0.001 nats, "
+                                                 "max <= 0.01",)  # fmt: skip
+    assert got["generate-decode-bfloat16"].text() == (
+        "INVALID: T_N > T_1 in every pair (N=8): T_1 = 0.500000 s, T_N = 0.400000 s"
+    )
+    assert got["compiled-decode-bfloat16"].text() == (
+        "INVALID: contended: other processes kept 0.80 cores busy on average (threshold 0.25; load average 1.50, "
+        "1.20, 1.00)"
+    )
+    assert TINY_BYTES == 1620
+    assert got["static-decode-bfloat16"].text() == (
+        "INVALID: rate above the bandwidth ceiling: 1,620 B/token x 50.5 tok/s = 8.181e-05 GB/s > measured bandwidth "
+        "5e-05 GB/s (measured)"
+    )
+    assert got["table4-parity-bfloat16"].text() == "VALID"
+    old_evidence = got["table4-decode-bfloat16"]
+    assert old_evidence.verdict == "VALID" and "contention not recorded" in old_evidence.notes
+    assert got["jax-decode-bfloat16"].text() == f"INVALID: {verdicts.NO_PARITY}"
+    assert (got["rust-decode-bfloat16"].verdict, got["fuse-decode-bfloat16"].verdict) == ("FAILED", "SKIPPED")
+    other = got["ring-decode-bfloat16-attend=filled"]
+    assert other.valid and "parity passed in sweep checks (`" in other.notes[0]
+    assert "checks/ring-parity-bfloat16-attend=filled.json`)" in other.notes[0]
+
+
+def test_the_decode_table_shows_valid_rows_only_and_lists_the_rest(tmp_path):
+    write(
+        tmp_path,
+        cell_record("ring", experiment="parity"),
+        cell_record("ring", (40.0, 50.0)),
+        cell_record("ring", (44.0,), sweep="t", contention={**QUIET, "contended": True, "other_cores": 1.0}),
+        cell_record("generate", (10.0, 10.0)),
+    )
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    report = result.report.read_text()
+    decode = report[report.index("## Decode") : report.index("### Memory")]
+    assert "| ring |" in decode and "| generate |" not in decode
+    # ring: the contended file is left out of its row, so the row pools (40, 50): median 45, interval [40, 50]
+    assert "| 45.00 [40.00, 50.00] n=2 |" in decode
+    assert "Left out: 1 rows with no VALID cell, and 1 files of VALID rows:" in decode
+    assert f"INVALID: {verdicts.NO_PARITY}" in decode and "INVALID: contended: other processes kept 1.00" in decode
+    assert "| VALID | ring | m | decode |" in report and "| INVALID | generate | m | decode |" in report
+    assert "decode-ratio/" not in result.arithmetic.read_text()  # generate is not VALID: no ratio against it
+
+
+def test_pooled_samples_are_the_files_raw_samples_by_hand(tmp_path):
+    write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring", (40.0, 50.0)),
+          cell_record("ring", (44.0,), sweep="t"))  # fmt: skip
+    _, _, decode = judged(tmp_path)
+    (r,) = decode.itertuples()
+    assert (sorted(r.decode_values), r.decode_median, r.decode_min, r.decode_max, r.n) == ([40, 44, 50], 44, 40, 50, 3)
+    assert {s: run["values"] for s, run in r.by_sweep.items()} == {"s": [40.0, 50.0], "t": [44.0]}
+
+
+def test_cells_of_different_environments_are_never_pooled(tmp_path):
+    write(
+        tmp_path,
+        cell_record("ring", experiment="parity", fingerprint="env-a"),
+        cell_record("ring", (40.0, 41.0), fingerprint="env-a"),
+        cell_record("ring", (80.0, 81.0), sweep="t", fingerprint="env-b"),
+        # evidence without a fingerprint: derived from CPU model, device name, torch and transformers
+        cell_record("ring", (20.0, 21.0), sweep="u", fingerprint=None),
+        cell_record("ring", (22.0, 23.0), sweep="v", fingerprint=None),
+        cell_record("ring", (60.0, 61.0), sweep="w", fingerprint=None, torch="2.14.0"),
+    )
+    ev, _, decode = judged(tmp_path)
+    rows = {r.fingerprint: sorted(r.decode_values) for r in decode.itertuples()}
+    derived = sorted(fp for fp in rows if fp.startswith("~"))
+    assert len(rows) == 4 and rows["env-a"] == [40, 41] and rows["env-b"] == [80, 81]
+    assert sorted(rows[fp] for fp in derived) == [[20, 21, 22, 23], [60, 61]]
+    assert all(len(fp) == 12 for fp in derived)
+
+
+def test_cost_and_roofline_use_the_rows_own_price_and_bandwidth(tmp_path):
+    write(
+        tmp_path,
+        *(cell_record("ring", experiment="parity", fingerprint=fp) for fp in ("env-a", "env-b")),
+        cell_record("ring", (40.0, 40.0), price=1.0, bandwidth=10.0, fingerprint="env-a"),
+        cell_record("ring", (80.0, 80.0), sweep="t", price=3.0, bandwidth=20.0, fingerprint="env-b"),
+    )
+    ev, _, decode = judged(tmp_path)
+    models = {f: r["model"] for f, r in ev.records.items()}
+    entries = {(e.key.split("/")[0], e.key.rsplit("env=", 1)[1]): e for e in arithmetic.measured(decode, models)}
+    assert entries[("usd-per-mtok", "env-a")].result == pytest.approx(1.0 / (40 * 3600) * 1e6)  # 6.94 USD/Mtok
+    assert entries[("usd-per-mtok", "env-b")].result == pytest.approx(3.0 / (80 * 3600) * 1e6)  # 10.42 USD/Mtok
+    assert entries[("roofline", "env-a")].result == pytest.approx(100 * 1620 * 40 / 1e9 / 10.0)
+    assert entries[("roofline", "env-b")].result == pytest.approx(100 * 1620 * 80 / 1e9 / 20.0)
+
+
+def test_files_of_one_row_that_disagree_on_price_get_no_cost_and_say_so(tmp_path):
+    write(
+        tmp_path,
+        cell_record("ring", experiment="parity"),
+        cell_record("ring", (40.0, 40.0), price=1.0, bandwidth=10.0),
+        cell_record("ring", (40.0, 40.0), sweep="t", price=3.0, bandwidth=30.0),
+    )
+    ev, _, decode = judged(tmp_path)
+    models = {f: r["model"] for f, r in ev.records.items()}
+    entries = {e.key.split("/")[0]: e for e in arithmetic.measured(decode, models)}
+    cost = entries["usd-per-mtok"]
+    assert cost.result is None and "record different price_usd_per_hour (1 USD/h in `" in cost.notes[0]
+    roofline = entries["roofline"]  # each sweep measured its bandwidth: the row uses their median, 20 GB/s
+    assert roofline.result == pytest.approx(100 * 1620 * 40 / 1e9 / 20.0)
+    assert "their median 20 GB/s is used" in roofline.notes[-1]
+
+
+def test_the_aa_spread_sets_the_noise_floor_and_marks_smaller_differences(tmp_path):
+    base = (100.0, 100.5, 99.5, 100.2, 99.8, 100.1)
+    write(
+        tmp_path,
+        *(cell_record(e, experiment="parity") for e in ("generate", "compiled")),
+        cell_record("generate", base, replica=0),
+        cell_record("generate", tuple(0.96 * v for v in base), replica=1),
+        cell_record("compiled", tuple(1.03 * v for v in base), replica=0),
+    )
+    _, _, decode = judged(tmp_path)
+    pairs = noise.aa_pairs(decode)
+    assert list(pairs.spread.round(6)) == [-0.04] and noise.floors(pairs) == {"env-a": pytest.approx(0.04)}
+    (entry,) = arithmetic.decode_ratios(decode, noise.floors(pairs))
+    assert entry.ratio.differs and entry.ratio.within_floor
+    assert entry.shown().startswith("1.03x [") and entry.shown().endswith(", within the noise floor (A/A 4.0%)")
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    report = result.report.read_text()
+    assert "| -4.0% |" in report and "- env env-a: noise floor 4.0%" in report
+    assert "within the noise floor (A/A 4.0%)" in report
+
+
+def test_the_recall_table_keeps_each_rate_method_in_its_own_column(tmp_path):
+    def outcome(method: str, rate: float) -> dict:
+        return {"target_tokens": 64, "status": "ok", "prompt_tokens": 60, "read_s": 0.1, "read_tok_s": 600.0,
+                "decode_tok_s": rate, "answer_code": "1", "found": True, "method": method}  # fmt: skip
+
+    timers = "engine phase timers in one generate(N): read_s to the first token, (N-1)/decode_s"
+    pair = "generate(1) for read_s, generate(N); (N-1)/(T_N - T_1)"
+    ev = cells.load(
+        write(
+            tmp_path,
+            cell_record("ring", experiment="recall", recall=[outcome(timers, 30.0)]),
+            cell_record("generate", experiment="recall", recall=[outcome(pair, 20.0)]),
+        ),  # fmt: skip
+        REPO,
+    )
+    table = recall_table(ev.records).set_index("engine")
+    assert table.loc["ring"].decode_timer.value == 30.0 and table.loc["ring"].decode_pair is None
+    assert table.loc["generate"].decode_pair.value == 20.0 and table.loc["generate"].decode_timer is None
+
+
+def test_arithmetic_writes_out_every_figure_of_a_valid_row(tmp_path):
+    write(
+        tmp_path,
+        *(cell_record(e, experiment="parity") for e in ("generate", "ring")),
+        cell_record("generate", (10.0, 10.0), price=1.0),
+        cell_record("ring", (50.0, 51.0), price=1.0),
+    )
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    arith = result.arithmetic.read_text()
+    key = "m/m-k/cpu/ctx256/P=10/bfloat16/N=8/read_every=0/env=env-a"
+    for entry in ("decode-ratio/ring-vs-generate", "roofline/ring", "bytes-per-token/ring", "usd-per-mtok/ring"):
+        assert f"[{entry}/{key}]" in arith
+    assert f"inputs:  ring_tok_s = 50.5 tok/s [50, 51] n=2 (pooled median) <- {tmp_path.name}/s/ring-decode" in arith
+    assert "result:  5.05x [5.00, 5.10] n=2/2" in arith  # (50.5 [50, 51]) / 10, by hand
+    assert "result:  1_620 B" in arith  # TINY_BYTES
+    # 1 USD/h / (rate x 3600 s/h) x 1e6 at the rate's median 50.5 and its bounds 51 and 50
+    assert "result:  5.50 USD/Mtok [5.45, 5.56] n=2" in arith
+    assert "| 5.50 [5.45, 5.56] n=2 |" in result.report.read_text()

@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from reports.uncertainty import ratio, sampled, shown
+
+NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them with --benchmark-save-data"
+
 
 def bench_table(folder: Path) -> pd.DataFrame:
     """pytest-benchmark's JSON files (``make bench-int4``): one row per benchmark, median seconds and
-    the dense/int4 ratio per shape on the same machine."""
+    the dense/int4 ratio per shape on the same machine. Where the JSON keeps every round (``stats.data``,
+    seconds) the median has its 95% interval and n (``median_ms``, milliseconds) and the ratio its interval
+    from both benchmarks' rounds (``x_dense_shown``)."""
     rows = []
     for path in sorted(Path(folder).glob("*.json")):
         data = json.loads(path.read_text())
@@ -18,6 +24,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
         for bench in data.get("benchmarks", []):
             params = bench.get("params") or {}
             shape = "x".join(map(str, params.get("shape", ())))
+            rounds = bench["stats"].get("data")
             rows.append(
                 {
                     "file": path.name,
@@ -27,13 +34,29 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "weights": params.get("weights", ""),
                     "kernel": bench.get("extra_info", {}).get("kernel", ""),
                     "median_s": bench["stats"]["median"],
+                    "median_ms": shown(sampled([1000 * s for s in rounds]), 3)
+                    if rounds
+                    else f"{1000 * bench['stats']['median']:.3f}",
                     "rounds": bench["stats"]["rounds"],
+                    "data": rounds,
                 }
             )
-    table = pd.DataFrame(rows, columns=["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "rounds"])
-    dense = table[table.weights == "dense"].set_index(["file", "linear"]).median_s
+    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "median_ms", "rounds", "data"]
+    table = pd.DataFrame(rows, columns=columns)
+    dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
-        dense.get((r.file, r.linear), float("nan")) / r.median_s if r.weights == "int4" else None
+        dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights == "int4" else None
         for _, r in table.iterrows()
     ]
+    table["x_dense_shown"] = [_x_dense(r, dense) for _, r in table.iterrows()]
     return table
+
+
+def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
+    """The dense median over the int4 one: with its interval from both benchmarks' rounds where both kept them."""
+    if row.weights != "int4" or (row.file, row.linear) not in dense.index:
+        return "–"
+    peer = dense.loc[(row.file, row.linear)]
+    if row.data and peer.data:
+        return ratio(peer.data, row.data).text()
+    return f"{peer.median_s / row.median_s:.2f}x ({NO_ROUNDS})"

@@ -18,7 +18,8 @@ import pandas as pd
 
 from decodebench import evidence
 
-# The settings that make two cells the same measurement; cells sharing them pool their raw samples.
+# The settings that make two cells the same measurement; cells sharing them pool their raw samples. Cells of
+# different environments (``fingerprint``), A/A copies (``replica``) and prompts are never pooled.
 GROUP = [
     "experiment",
     "engine",
@@ -32,8 +33,12 @@ GROUP = [
     "dtype",
     "read_every",
     "max_new_tokens",
+    "prompt_tokens",
+    "fingerprint",
+    "replica",
 ]
 
+DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
 BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
                 "started_utc", "versions", "dry_run", "detail"]  # fmt: skip
 
@@ -111,7 +116,6 @@ _COLUMNS = [
     "status",
     "reason",
     *GROUP,
-    "prompt_tokens",
     "decode_values",
     "phase_values",
     "first_call_s",
@@ -129,12 +133,17 @@ _COLUMNS = [
     "parity_kl_max",
     "parity_top5_same",
     "parity_verdict",
+    "parity_bounds",
+    "checks",
+    "contention",
     "tables",
     "weights",
     "utc_time",
     "cpu_model",
+    "cpu_flags",
     "torch",
     "transformers",
+    "packages",
     "git_sha",
     "git_dirty",
     "price_usd_per_hour",
@@ -144,11 +153,35 @@ _COLUMNS = [
 ]
 
 
+def fingerprint(env: dict[str, Any]) -> str:
+    """The environment class of a cell: ``environment.fingerprint`` as recorded, or, for evidence written
+    before it was, ``~`` and 11 hex digits of a SHA-256 over the CPU model, device name, torch and
+    transformers versions (the ``~`` marks a derived fingerprint; it never equals a recorded one)."""
+    if env.get("fingerprint"):
+        return str(env["fingerprint"])
+    packages = env.get("packages") or {}
+    key = [env.get("cpu_model"), env.get("device_name"), packages.get("torch"), packages.get("transformers")]
+    return "~" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:11]
+
+
+def parity_bounds(cfg: dict[str, Any]) -> str | None:
+    """What a parity cell's verdict held, from its config: ``parity`` (float32, every token equal) and
+    ``parity-bf16`` (bfloat16, the KL up to the first differing token) share the experiment name."""
+    if cfg["experiment"]["name"] != "parity":
+        return None
+    exp = cfg["experiment"]
+    tokens = "every token equal, " if exp.get("all_tokens", True) else ""
+    mean, most = ("not recorded" if exp.get(k) is None else f"{exp[k]:g}" for k in ("kl_mean", "kl_max"))
+    return f"{cfg['dtype']}: {tokens}KL mean <= {mean} nats, max <= {most}"
+
+
 def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     """One cell file as a row. ``weights``: how the engine holds its linears (``engine.weights``, dense or
     int4); ``tables``: the checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
-    measurement's earlier name ``new_tokens`` the same way."""
+    measurement's earlier name ``new_tokens`` the same way. ``replica`` (the A/A copy) is 0 where the
+    config has none; ``checks`` (``outputs.checks``) and ``contention`` (``environment.contention``) are
+    None in evidence written before the experiments recorded them."""
     r = evidence.Record.from_json(data)
     cfg, env, hw = r.config, r.environment, r.hardware or {}
     peak = r.memory_peak()
@@ -172,6 +205,8 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "context": cfg["context"],
         "dtype": cfg["dtype"],
         "read_every": cfg.get("read_every", 0),
+        "fingerprint": fingerprint(env),
+        "replica": int(cfg.get("replica", 0)),
         "prompt_tokens": r.value("prompt_tokens"),
         "max_new_tokens": r.value("max_new_tokens" if "max_new_tokens" in r.measurements else "new_tokens"),
         "decode_values": list(r.measurements["decode_tok_s"].values) if "decode_tok_s" in r.measurements else [],
@@ -193,12 +228,17 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "parity_kl_max": None if parity is None else parity["kl_max"],
         "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
         "parity_verdict": r.outputs.get("verdict"),
+        "parity_bounds": parity_bounds(cfg),
+        "checks": r.outputs.get("checks"),
+        "contention": env.get("contention"),
         "tables": r.model.get("tables_description", r.model.get("weights")),
         "weights": cfg["engine"].get("weights", "dense"),
         "utc_time": env.get("utc_time"),
         "cpu_model": env.get("cpu_model"),
+        "cpu_flags": " ".join(env.get("cpu_flags") or []),
         "torch": env.get("packages", {}).get("torch"),
         "transformers": env.get("packages", {}).get("transformers"),
+        "packages": dict(env.get("packages") or {}),
         "git_sha": (env.get("git_sha") or "")[:12],
         "git_dirty": env.get("git_dirty"),
         "price_usd_per_hour": hw.get("price_usd_per_hour"),

@@ -1,50 +1,68 @@
 """The decode table, rendered by ``decode.md.j2`` beside this file (its JAX rows also by
-``templates/jax.md.j2``; plotted by ``reports.plots``): repeats pooled as median of raw samples, min,
-max and n, with each sweep's own median in ``by_sweep``."""
+``templates/jax.md.j2``; plotted by ``reports.plots``): one row per measurement group (``cells.GROUP``:
+settings, prompt, environment fingerprint and A/A replica), the raw decode samples of its VALID cells
+pooled, never averaged: their median with its 95% interval and n (``decode``), min and max, and each
+sweep's own in ``by_sweep``. A group without a VALID cell is still a row (``verdict`` INVALID, pooled over
+all its cells, so that ``reports.compare`` can show it); the report's headline shows VALID rows only and
+names every cell it left out (``left_out``).
+"""
 
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import pandas as pd
 
-from reports.tables.cells import GROUP
+from reports.tables.cells import DECODE_EXPERIMENTS, GROUP
+from reports.uncertainty import sampled
+from reports.verdicts import INVALID, VALID, Verdict
 
-DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
-DECODE_COLUMNS = ["decode_median", "decode_min", "decode_max", "n", "phase_median", "files", "sweeps", "first_call_s",
-                  "load_s", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak", "memory_counter",
-                  "graphs", "graph_breaks", "prompt_tokens", "price_usd_per_hour", "bandwidth_gb_s",
-                  "bandwidth_source", "hardware", "tables", "weights"]  # fmt: skip
+DECODE_COLUMNS = ["decode", "decode_values", "decode_median", "decode_low", "decode_high", "decode_min", "decode_max",
+                  "n", "phase", "phase_median", "first_call", "first_call_s", "load", "load_s", "files", "sweeps",
+                  "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak",
+                  "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour", "price_note", "bandwidth_gb_s",
+                  "bandwidth_note", "bandwidth_source", "hardware", "tables", "weights"]  # fmt: skip
 
 
-def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """One row per measurement group: raw decode samples pooled over its ok files (never averaged)."""
+def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
+    """One row per measurement group of ok decode cells: the samples of its VALID cells pooled (of all its
+    cells when none is VALID); ``verdicts``: every cell's, by file (``reports.verdicts.judge``)."""
     ok = cells[(cells.status == "ok") & cells.experiment.isin(DECODE_EXPERIMENTS)]
     rows = []
     for key, group in ok.groupby(GROUP, sort=True, dropna=False):
-        values = [v for vs in group.decode_values for v in vs]
-        phase = [v for vs in group.phase_values for v in vs]
-        last = group.sort_values("file").iloc[-1]
+        group = group.sort_values("file")
+        valid = group[[verdicts[f].valid for f in group.file]]
+        used = valid if not valid.empty else group
+        values = _pooled(used.decode_values)
+        decode = sampled(values)
+        phase = sampled(_pooled(used.phase_values))
+        first_call, load = sampled(used.first_call_s.dropna().tolist()), sampled(used.load_s.dropna().tolist())
+        last = used.iloc[-1]
+        price, price_note = _agreed(used, "price_usd_per_hour", "USD/h")
+        bandwidth, bandwidth_note = _bandwidth(used)
         rows.append(
             {
                 **dict(zip(GROUP, key, strict=True)),
-                "decode_median": statistics.median(values),
-                "decode_min": min(values),
-                "decode_max": max(values),
+                "decode": decode,
+                "decode_values": values,
+                "decode_median": None if decode is None else decode.value,
+                "decode_low": None if decode is None else decode.low,
+                "decode_high": None if decode is None else decode.high,
+                "decode_min": min(values, default=None),
+                "decode_max": max(values, default=None),
                 "n": len(values),
-                "phase_median": statistics.median(phase) if phase else None,
-                "files": list(group.file),
-                "sweeps": sorted(set(group.sweep)),
-                "by_sweep": {
-                    sweep: {
-                        "median": statistics.median([v for vs in cells.decode_values for v in vs]),
-                        "n": sum(len(vs) for vs in cells.decode_values),
-                        "files": list(cells.file),
-                    }
-                    for sweep, cells in group.groupby("sweep", sort=True)
-                },
-                "first_call_s": statistics.median(group.first_call_s),
-                "load_s": statistics.median(group.load_s),
+                "phase": phase,
+                "phase_median": None if phase is None else phase.value,
+                "first_call": first_call,
+                "first_call_s": None if first_call is None else first_call.value,
+                "load": load,
+                "load_s": None if load is None else load.value,
+                "files": list(used.file),
+                "sweeps": sorted(set(used.sweep)),
+                "by_sweep": {sweep: _run(run) for sweep, run in used.groupby("sweep", sort=True)},
+                "verdict": VALID if not valid.empty else INVALID,
+                "left_out": [verdicts[f] for f in group.file if not verdicts[f].valid],
                 "weight_bytes": last.weight_bytes,
                 "cache_bytes": last.cache_bytes,
                 "memory_after_load": last.memory_after_load,
@@ -52,11 +70,12 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "memory_counter": last.memory_counter,
                 "graphs": last.graphs,
                 "graph_breaks": last.graph_breaks,
-                "prompt_tokens": last.prompt_tokens,
-                "price_usd_per_hour": last.price_usd_per_hour,
-                "bandwidth_gb_s": last.bandwidth_gb_s,
-                "bandwidth_source": last.bandwidth_source,
-                "hardware": last.hardware,
+                "price_usd_per_hour": price,
+                "price_note": price_note,
+                "bandwidth_gb_s": bandwidth,
+                "bandwidth_note": bandwidth_note,
+                "bandwidth_source": ", ".join(sorted({str(s) for s in used.bandwidth_source.dropna()})) or None,
+                "hardware": ", ".join(sorted({str(h) for h in used.hardware.dropna()})) or None,
                 "tables": last.tables,
                 "weights": last.weights,
             }
@@ -69,13 +88,52 @@ def decode_table(cells: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def _pooled(lists: pd.Series) -> list[float]:
+    return [v for vs in lists for v in vs]
+
+
+def _run(cells: pd.DataFrame) -> dict[str, Any]:
+    """One sweep's part of a row: its pooled samples, their median with its interval, and its files."""
+    values = _pooled(cells.decode_values)
+    return {"values": values, "interval": sampled(values), "files": list(cells.file)}
+
+
+def _agreed(cells: pd.DataFrame, column: str, unit: str) -> tuple[Any, str | None]:
+    """The value every file of a row records in ``column`` (None when none does), or None and a note
+    naming each file's value when they disagree: a figure derived from it would be one file's, not the row's."""
+    recorded = cells[cells[column].notna()]
+    values = sorted(set(recorded[column]))
+    if len(values) <= 1:
+        return (values[0] if values else None), None
+    each = ", ".join(f"{v:g} {unit} in `{f}`" for f, v in zip(recorded.file, recorded[column], strict=True))
+    return None, f"the row's files record different {column} ({each}): no single value to use"
+
+
+def _bandwidth(cells: pd.DataFrame) -> tuple[float | None, str | None]:
+    """The row's memory bandwidth in GB/s: the one its files record, or, when each sweep measured its own,
+    their median, said in a note with every file's value."""
+    value, note = _agreed(cells, "bandwidth_gb_s", "GB/s")
+    if note is None:
+        return value, None
+    median = statistics.median(cells.bandwidth_gb_s.dropna())
+    return median, note.replace("no single value to use", f"their median {median:.4g} GB/s is used")
+
+
 def _key(row: pd.Series) -> str:
-    """The row's name in arithmetic.txt keys (with the engine before it)."""
+    """The row's name in arithmetic.txt keys (with the engine before it): settings, prompt tokens (P),
+    environment fingerprint (env) and, for an A/A copy, its replica."""
     engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
+    replica = f"/replica={row.replica}" if row.replica else ""
+    prompt = "" if pd.isna(row.prompt_tokens) else f"/P={int(row.prompt_tokens)}"
     return (
-        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}/{row['dtype']}/N={row.max_new_tokens}"
-        f"/read_every={row.read_every}{engine}"
+        f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}{prompt}/{row['dtype']}/N={_count(row.max_new_tokens)}"
+        f"/read_every={row.read_every}{engine}/env={row.fingerprint}{replica}"
     )
+
+
+def _count(value: Any) -> Any:
+    """A token count read back as a float (its column holds None for cells without it) as the integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _label(row: pd.Series) -> str:
@@ -83,4 +141,24 @@ def _label(row: pd.Series) -> str:
     stream = f", read_every={row.read_every}" if row.read_every else ""
     backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
     backend = f", {backend}" if backend else ""
-    return f"{row.engine} ({row.model}, {row.device}, ctx {row.context}, N={row.max_new_tokens}{stream}{backend})"
+    replica = f", replica {row.replica}" if row.replica else ""
+    where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}"
+    return f"{row.engine} ({where}{stream}{backend}{replica}, env {row.fingerprint})"
+
+
+def left_out(table: pd.DataFrame) -> pd.DataFrame:
+    """What the headline left out of ``table`` (a decode table): each row with no VALID cell (``whole``) and
+    each VALID row that left some of its files out (``partial_files``), with those files' verdicts."""
+    rows = [
+        {
+            "label": row.label,
+            "engine": row.engine,
+            "priced": row.price_usd_per_hour is not None and not pd.isna(row.price_usd_per_hour),
+            "whole": row.verdict != VALID,
+            "partial_files": 0 if row.verdict != VALID else len(row.left_out),
+            "verdicts": row.left_out,
+        }
+        for _, row in table.iterrows()
+        if row.left_out
+    ]
+    return pd.DataFrame(rows, columns=["label", "engine", "priced", "whole", "partial_files", "verdicts"])

@@ -1,0 +1,159 @@
+"""A verdict for every cell, MLPerf-style, from its evidence alone (and the parity cells beside it).
+
+* ``FAILED`` / ``SKIPPED``: the cell's own status, with its reason.
+* ``INVALID``: an ok cell that breaks a rule; every broken rule is named with its figure.
+* ``VALID``: an ok cell that breaks none. What could not be checked (old evidence) is a note, not a rule.
+
+Rules for every ok cell:
+
+(a) every check the cell recorded about itself holds (``outputs.checks``: ``{"rule", "holds", "detail"}``,
+    e.g. "exactly N tokens in every call", "T_N > T_1 in every pair"; evidence without checks has none);
+(b) not contended: ``environment.contention.contended`` is not true (other processes kept more than
+    ``threshold_cores`` busy while it ran); absent: "contention not recorded", unknown, not invalid. A cell
+    whose every timer says "not timed" (``parity``, ``diagnose``) measures no time: contention cannot
+    touch its figures and is not held against it.
+
+And for a decode-rate cell (experiment ``decode`` or ``default``):
+
+(c) speed at parity: a parity cell of the same engine, engine settings, checkpoint and dtype passed
+    (``outputs.verdict == "pass"``), in the same sweep, else in another one (named with its file);
+(d) the rate is below the bandwidth ceiling: bytes read per token (``reports.arithmetic.token_bytes``) x
+    the median rate must not exceed the measured memory bandwidth (``hardware.memory_bandwidth_gb_s``);
+(e) it has a rate: at least one decode_tok_s sample.
+
+Headline tables pool only VALID cells (``reports.tables.decode``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from reports.arithmetic import token_bytes
+from reports.tables.cells import DECODE_EXPERIMENTS
+
+VALID, INVALID, FAILED, SKIPPED = "VALID", "INVALID", "FAILED", "SKIPPED"
+NO_PARITY = "no parity check for this engine, checkpoint, dtype and settings"
+PARITY_KEY = ["engine", "engine_config", "checkpoint", "dtype"]  # what a parity cell must share with a decode cell
+UNTIMED = "not timed"  # what an experiment that times nothing records as its timers (parity, diagnose)
+Finding = tuple[str | None, str | None]  # a rule's outcome: (what breaks it, with its figure; a note), either None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One cell's verdict: ``broken`` names each rule it breaks with its figure (a FAILED or SKIPPED cell: its
+    reason); ``notes`` what was not checkable and where its parity came from."""
+
+    file: str
+    verdict: str
+    broken: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def valid(self) -> bool:
+        return self.verdict == VALID
+
+    def text(self) -> str:
+        """``INVALID: rule; rule`` or ``VALID`` (notes are printed beside, not here)."""
+        return f"{self.verdict}: {'; '.join(self.broken)}" if self.broken else self.verdict
+
+
+def judge(
+    cells: pd.DataFrame, records: dict[str, dict[str, Any]], parity_pool: pd.DataFrame | None = None
+) -> dict[str, Verdict]:
+    """Every cell's verdict by file. ``parity_pool``: the cells searched for a passing parity check (default
+    ``cells``; ``reports.compare`` passes both sides and the repository's evidence)."""
+    pool = cells if parity_pool is None else parity_pool
+    passed = pool[(pool.status == "ok") & (pool.experiment == "parity") & (pool.parity_verdict == "pass")]
+    return {row.file: _judge(row, records.get(row.file, {}), passed) for _, row in cells.iterrows()}
+
+
+def _judge(cell: pd.Series, record: dict[str, Any], passed: pd.DataFrame) -> Verdict:
+    if cell.status != "ok":
+        return Verdict(cell.file, FAILED if cell.status == "failed" else SKIPPED, (cell.reason or "",))
+    timers = record.get("timers") or {}
+    timed = not timers or any(text != UNTIMED for text in timers.values())
+    findings = [*_checks(cell), _contention(cell.contention) if timed else (None, None)]
+    if cell.experiment in DECODE_EXPERIMENTS:
+        findings += [_parity(cell, passed), _ceiling(cell, record.get("model") or {})]
+    broken = tuple(b for b, _ in findings if b)
+    return Verdict(cell.file, INVALID if broken else VALID, broken, tuple(n for _, n in findings if n))
+
+
+def _checks(cell: pd.Series) -> list[Finding]:
+    """Rule (a): each recorded check that does not hold, as ``rule: detail``."""
+    return [(f"{c['rule']}: {c.get('detail') or 'does not hold'}", None) for c in cell.checks or [] if not c["holds"]]
+
+
+def _contention(block: Any) -> Finding:
+    """Rule (b): broken when the cell recorded itself contended; a note when it could not tell."""
+    if not isinstance(block, dict):
+        return None, "contention not recorded"
+    if block.get("contended") is None:
+        return None, "contention not measurable here (recorded as unknown)"
+    if not block["contended"]:
+        return None, None
+    load = block.get("load_avg") or block.get("load_avg_end")
+    load_text = f"; load average {', '.join(f'{v:.2f}' for v in load)}" if load else ""
+    return (f"contended: other processes kept {block.get('other_cores', float('nan')):.2f} cores busy on average "
+            f"(threshold {block.get('threshold_cores', float('nan')):.2f}{load_text})"), None  # fmt: skip
+
+
+def _parity(cell: pd.Series, passed: pd.DataFrame) -> Finding:
+    """Rule (c): a note naming the passing parity check (the same sweep's first), else broken."""
+    same = passed
+    for column in PARITY_KEY:
+        same = same[same[column] == cell[column]]
+    if same.empty:
+        return NO_PARITY, None
+    here = same[same.sweep == cell.sweep]
+    found = (here if not here.empty else same).sort_values("file").iloc[-1]
+    where = "in the same sweep" if not here.empty else f"in sweep {found.sweep} (`{found.file}`)"
+    device = "" if found.device == cell.device else f", on {found.device} (this cell ran on {cell.device})"
+    return None, f"parity passed {where}: {found.parity_bounds}{device}"
+
+
+def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
+    """Rules (d) and (e): broken when the cell has no rate, or bytes per token x its median rate exceeds its
+    measured bandwidth (both numbers named); a note when the evidence cannot tell."""
+    if not cell.decode_values:
+        return "no decode_tok_s sample: every warm pair broke the method", None
+    bandwidth = cell.bandwidth_gb_s
+    read = token_bytes(model, cell["dtype"], cell.prompt_tokens, cell.max_new_tokens, cell.weights)
+    if read is None or bandwidth is None or pd.isna(bandwidth):
+        return None, "bandwidth ceiling not checked: " + (
+            "no bandwidth recorded" if read else "no layer layout recorded"
+        )
+    rate = statistics.median(cell.decode_values)
+    need = read.total * rate / 1e9
+    if need <= bandwidth:
+        return None, None
+    return (f"rate above the bandwidth ceiling: {read.total:,.0f} B/token x {rate:.4g} tok/s = {need:.4g} GB/s "
+            f"> measured bandwidth {bandwidth:.4g} GB/s ({cell.bandwidth_source})"), None  # fmt: skip
+
+
+def table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
+    """The verdict table: one row per cell, by file."""
+    rows = [
+        {
+            "verdict": verdicts[c.file].verdict,
+            "engine": c.engine,
+            "model": c.model,
+            "experiment": c.experiment,
+            "device": c.device,
+            "context": c.context,
+            "dtype": c["dtype"],
+            "fingerprint": c.fingerprint,
+            "replica": c.replica,
+            "why": "; ".join(verdicts[c.file].broken) or "–",
+            "notes": "; ".join(verdicts[c.file].notes) or "–",
+            "file": c.file,
+        }
+        for _, c in cells.sort_values("file").iterrows()
+    ]
+    columns = ["verdict", "engine", "model", "experiment", "device", "context", "dtype", "fingerprint", "replica",
+               "why", "notes", "file"]  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
