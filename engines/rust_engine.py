@@ -102,6 +102,7 @@ class RustEngine(Engine):
             weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
         self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
+        self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
         self.build = dict(decodebench_rs.BUILD)
 
     def generate(
@@ -135,6 +136,7 @@ class RustEngine(Engine):
         return self.native.cache_bytes
 
     def close(self) -> None:
+        super().close()
         self.native = None
 
     def describe(self) -> dict[str, Any]:

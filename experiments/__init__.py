@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from decodebench.config import ExperimentConfig
 from decodebench.evidence import Record
-from experiments import decode, diagnose, modes, parity, recall, serve
+from experiments import decode, diagnose, modes, parity, profile, recall, serve
 from experiments.cell import Cell
 from experiments.common import Result
 
@@ -53,6 +53,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "modes": Experiment(modes.run, modes.ModesExperimentConfig, modes.headline, engine=False, model=False),
     "diagnose": Experiment(diagnose.run, diagnose.DiagnoseExperimentConfig, diagnose.headline, engine=False),
     "serve": Experiment(serve.run, serve.ServeExperimentConfig, serve.headline, run_defaults=True),
+    "profile": Experiment(profile.run, profile.ProfileExperimentConfig, profile.headline),
 }
 
 

@@ -1,0 +1,227 @@
+"""Experiment ``profile``: where each millisecond of a decode step goes, for an engine that steps.
+
+The method is the decode experiment's, applied to a profile: ``repeats`` pairs of a warm 1-token call and
+a warm N-token call run under ``torch.profiler`` (the Rust engine's ATen calls reach it through the
+dispatcher), and every operator's self time is the N-token call's less the 1-token call's, over N-1: per
+token, the prompt read dropped out; each class's figure is the median over the pairs. Operators fall
+into classes a reader can act on:
+
+* ``weights: attention projections``, ``weights: MLP``, ``weights: per-layer inputs``: matrix products
+  with a weight, matched to the model's linears by shape (where two kinds share a shape, split in
+  proportion to how many linears of each the model has);
+* ``attention``: the attention products and softmax; ``table lookups``: embedding and index reads;
+* ``logits and argmax``: the ``lm_head`` product, the soft cap and the argmax;
+* ``norms and elementwise``: every other operator (with a compiled step, its fused kernels);
+* ``host: dispatch and wrappers``: TorchDynamo's cache lookup, compiled-region wrappers, tensor metadata;
+* ``host: between operators``: the unprofiled step time (warm pairs in this cell, as ``decode`` measures
+  it) less everything above: Python, dispatch and read-backs outside any operator, and, when negative,
+  the profiler's own overhead inside them (stated as is).
+
+The classes sum to the unprofiled step time by construction; the check is that the profiled operators
+alone do not exceed it by more than 5% (else the cell is INVALID for that rule). Each class gets its
+time per token, its share, the bytes it must read per token (weights from their buffers, the KV cache
+from its shape, one row of each table) and the GB/s that makes, beside the machine's bandwidth. The raw
+trace goes beside the evidence, gzip-compressed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import statistics
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from decodebench.config import ExperimentConfig
+from decodebench.evidence import Record, scalar
+from engines.base import EngineLimit
+from engines.steps import SteppedEngine
+from experiments.cell import Cell
+from experiments.common import Result
+from experiments.decode import warm_pairs
+
+WEIGHT_KINDS = {
+    "weights: attention projections": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "weights: MLP": ("gate_proj", "up_proj", "down_proj"),
+    "weights: per-layer inputs": ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"),
+    "logits and argmax": ("lm_head",),
+}
+MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
+           "aten::_weight_int4pack_mm")  # fmt: skip
+ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention")
+LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
+LOGITS = ("aten::argmax", "aten::tanh")
+HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "aten::empty", "aten::empty_strided",
+        "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
+        "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
+        "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_")  # fmt: skip
+BETWEEN = "host: between operators"
+CLASSES = (*WEIGHT_KINDS, "attention", "table lookups", "norms and elementwise", "host: dispatch and wrappers",
+           BETWEEN)  # fmt: skip
+OPERATOR_SLACK = 0.05  # the profiled operators may exceed the unprofiled step by this share (timer noise)
+
+
+@dataclass
+class ProfileExperimentConfig(ExperimentConfig):
+    """Warm decode steps under the framework's profiler, attributed to classes (module docstring).
+    ``trace``: keep the raw profile beside the evidence (gzip)."""
+
+    trace: bool = True
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: the step time and its three largest classes."""
+    classes = sorted(record.outputs["classes"], key=lambda c: -c["ms_per_token"])[:3]
+    top = ", ".join(f"{c['class']} {c['share']:.0%}" for c in classes)
+    return f"profile: {record.value('step_ms'):.2f} ms a token; {top}"
+
+
+def linear_shapes(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, int]]:
+    """(in, out) features of every linear weight -> how many linears of each weight class have that shape."""
+    shapes: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for name, module in model.named_modules():
+        kind = next((k for k, ends in WEIGHT_KINDS.items() if name.rpartition(".")[2] in ends), None)
+        out_in = getattr(module, "out_features", None), getattr(module, "in_features", None)
+        if kind and None not in out_in:
+            shapes[(out_in[1], out_in[0])][kind] += 1
+    return shapes
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes each weight class reads per token: every buffer and parameter of its linears, as held."""
+    held: dict[str, int] = defaultdict(int)
+    for name, module in model.named_modules():
+        kind = next((k for k, ends in WEIGHT_KINDS.items() if name.rpartition(".")[2] in ends), None)
+        if kind:
+            held[kind] += sum(t.nbytes for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+    return dict(held)
+
+
+def matmul_shape(op: str, shapes: list[list[int]]) -> tuple[int, int] | None:
+    """(in, out) of a matrix product with a weight, from its recorded input shapes, or None."""
+    if op.endswith("_weight_int4pack_mm_for_cpu") or op.endswith("_weight_int4pack_mm"):
+        x, scales = shapes[0], shapes[-1]  # scales and zeros: [in / group, out, 2]
+        return (x[-1], scales[1]) if len(x) >= 2 and len(scales) == 3 else None
+    if op == "aten::addmm":
+        shapes = shapes[1:]
+    if len(shapes) >= 2 and len(shapes[0]) == 2 and len(shapes[1]) == 2:
+        return shapes[1][0], shapes[1][1]
+    return None
+
+
+def attribute(events: Any, shapes: dict[tuple[int, int], dict[str, int]]) -> dict[str, float]:
+    """Self seconds of a profile's operators by class (``key_averages(group_by_input_shape=True)``)."""
+    out: dict[str, float] = defaultdict(float)
+    for event in events:
+        name, seconds = event.key, event.self_cpu_time_total / 1e6
+        kinds = shapes.get(matmul_shape(name, event.input_shapes)) if name in MATMULS else None
+        if kinds:
+            total = sum(kinds.values())
+            for kind, count in kinds.items():
+                out[kind] += seconds * count / total
+        elif name in MATMULS or name.startswith(ATTENTION) or "scaled_dot_product" in name:
+            out["attention"] += seconds
+        elif name in LOOKUPS:
+            out["table lookups"] += seconds
+        elif name in LOGITS:
+            out["logits and argmax"] += seconds
+        elif name.startswith(HOST):
+            out["host: dispatch and wrappers"] += seconds
+        else:
+            out["norms and elementwise"] += seconds
+    return out
+
+
+def profiled(cell: Cell, ids: list[int], n: int, trace: Path | None) -> dict[str, float]:
+    """One warm ``n``-token call under the profiler: self seconds by class."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        cell.call(ids, n)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return attribute(prof.key_averages(group_by_input_shape=True), linear_shapes(profiled_model(cell)))
+
+
+def profiled_model(cell: Cell) -> torch.nn.Module:
+    """The torch model whose linears the operators are matched to (the Rust engine keeps the one its
+    weights came from)."""
+    return cell.engine.model
+
+
+def run(cell: Cell) -> Result:
+    cfg = cell.cfg
+    if not issubclass(cell.opened.cls, SteppedEngine) and cell.opened.name != "rust":
+        raise EngineLimit(f"experiment=profile needs an engine that steps; engine {cell.opened.name} does not")
+    if cell.opened.cls.framework != "torch":
+        raise EngineLimit(f"engine {cell.opened.name} runs on {cell.opened.cls.framework}: torch.profiler cannot "
+                          "see its operators (JAX's per-op profile is not read back yet)")  # fmt: skip
+    n = cfg.max_new_tokens
+    ids = cell.opened.encode(cfg.prompt)
+    cell.require_fit(len(ids))
+    cell.load()
+    first = cell.call(ids, n)  # compile and warm up
+    pairs = warm_pairs(cell, ids, first.tokens)
+    if not pairs.rates:
+        raise EngineLimit(f"no warm pair kept T_N > T_1 ({pairs.check()['detail']}): no step time to attribute")
+    step_s = 1 / statistics.median(pairs.rates)
+    folder = Path(cfg.evidence_dir) / str(cfg.sweep)
+    name = f"profile-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}-{cfg.dtype}.json.gz"
+    estimates: dict[str, list[float]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json" if cfg.experiment.trace else None
+        for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
+            one = profiled(cell, ids, 1, None)
+            many = profiled(cell, ids, n, raw if repeat == 0 else None)
+            for c in CLASSES[:-1]:
+                estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
+        if raw is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            with raw.open("rb") as src, gzip.open(folder / name, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    per_token = {c: statistics.median(values) for c, values in estimates.items()}
+    operators = sum(per_token.values())
+    per_token[BETWEEN] = step_s - operators
+    reads = read_bytes(cell)
+    classes = [
+        {"class": c, "ms_per_token": s * 1e3, "share": s / step_s, "bytes_per_token": reads.get(c),
+         "gb_s": reads[c] / s / 1e9 if reads.get(c) and s > 0 else None}
+        for c, s in per_token.items()
+    ]  # fmt: skip
+    holds = operators <= step_s * (1 + OPERATOR_SLACK)
+    result = Result(timers={
+        "step_ms": "1 / median (N-1)/(T_N-T_1) of warm pairs, unprofiled, this cell",
+        "classes": "self time of each operator, N-token call less 1-token call, over N-1",
+    })  # fmt: skip
+    result.measurements.update(
+        step_ms=scalar(step_s * 1e3, "ms", method="unprofiled warm pairs in this cell", pairs=len(pairs.rates)),
+        profiled_operators_ms=scalar(operators * 1e3, "ms", method="sum of operator self times per token"),
+        **{f"profile_{c.replace(': ', '_').replace(' ', '_').replace('-', '_')}_ms": scalar(s * 1e3, "ms")
+           for c, s in per_token.items()},  # fmt: skip
+    )
+    result.outputs.update(
+        classes=classes,
+        trace=f"{cfg.sweep}/{name}" if cfg.experiment.trace else None,
+        checks=[pairs.check(), {"rule": f"profiled operators within {OPERATOR_SLACK:.0%} of the unprofiled step",
+                                "holds": holds, "detail": f"operators {operators * 1e3:.3f} ms, step "
+                                f"{step_s * 1e3:.3f} ms a token"}],  # fmt: skip
+    )
+    return result
+
+
+def read_bytes(cell: Cell) -> dict[str, int]:
+    """Bytes each class must read per token: the weights of its linears as held, the KV cache (every slot
+    of it, as a step over the whole cache reads), one row of each vocabulary table."""
+    model = profiled_model(cell)
+    reads = weight_bytes(model)
+    cache = cell.engine.cache_bytes()
+    if cache:
+        reads["attention"] = cache
+    tables = [m for n, m in model.named_modules() if n.endswith(("embed_tokens", "embed_tokens_per_layer"))]
+    reads["table lookups"] = sum(sum(t[0].nbytes for t in (*m.parameters(), *m.buffers()) if t.dim() == 2)
+                                 for m in tables)  # fmt: skip
+    return reads

@@ -1,0 +1,41 @@
+"""experiment=profile: each class present per token, its bytes from the model's own buffers, the raw trace
+beside the evidence."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from experiments.profile import CLASSES, WEIGHT_KINDS
+from runner import run_cell
+from tests.conftest import REPO, opened
+
+
+@pytest.mark.parametrize("engine", ["ring", "rust"])
+def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cache_dir, tmp_path, engine):
+    if engine == "rust":
+        pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
+    settings = ("engine.backend=eager",) if engine == "ring" else ()
+    record = run_cell(cell_cfg(f"engine={engine}", *settings, "experiment=profile", "max_new_tokens=16", "repeats=2"))
+    assert record["status"] == "ok", record["reason"]
+    classes = {c["class"]: c for c in record["outputs"]["classes"]}
+    assert list(classes) == list(CLASSES)
+    step = record["measurements"]["step_ms"]["value"]
+    assert sum(c["ms_per_token"] for c in classes.values()) == pytest.approx(step)
+
+    model = opened(f"cache_dir={cache_dir}", f"engine={engine}").load().model  # the same checkpoint, reloaded
+    for kind, ends in WEIGHT_KINDS.items():  # every linear of the kind, by name, its weight's bytes
+        held = sum(m.weight.nbytes for n, m in model.named_modules() if n.rpartition(".")[2] in ends)
+        assert classes[kind]["bytes_per_token"] == held, kind
+
+    trace = tmp_path / "runs" / record["outputs"]["trace"]
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert not trace.is_relative_to(REPO / "evidence" / "published")
+
+
+def test_an_engine_that_does_not_step_is_skipped(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=generate", "experiment=profile"))
+    assert record["status"] == "skipped" and "needs an engine that steps" in record["reason"]
