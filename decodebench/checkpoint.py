@@ -31,6 +31,7 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_mod
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 INT4_TABLES = ("embed_tokens_per_layer",)  # tables a 4-bit-table engine keeps packed
 KEY_MAPPING = {r"^model\.language_model\.": "model."}  # the repack's multimodal names -> the text model's
+INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}  # the one weight quantization read
 
 
 class CheckpointError(RuntimeError):
@@ -55,11 +56,13 @@ class Checkpoint:
 @dataclass
 class PackedTable:
     """An int4 weight kept packed as the checkpoint stores it (a table, or a linear [out, in]): int32
-    words [rows, cols/8] of level + 8, low nibble first, and one scale per 32 columns."""
+    words [rows, cols/8] of level + 8, low nibble first, and one scale per ``group_size`` columns
+    ([rows, cols/group_size], in the dtype the checkpoint stores them in)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     shape: tuple[int, int]
+    group_size: int
 
 
 def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
@@ -200,14 +203,22 @@ def _text_prefix(names: list[str]) -> str:
 
 
 def _quant_args(quantization: dict[str, Any] | None, stored_name: str, is_table: bool) -> QuantizationArgs:
-    """The weight args of the config group whose targets match a packed module."""
+    """The weight args of the config group whose targets match a packed module; an error unless they
+    are ``INT4``'s (4-bit symmetric integers in groups), the one quantization decodebench reads."""
     if not quantization:
         raise CheckpointError(f"{stored_name} is packed but config.json has no quantization_config")
     for group in quantization.get("config_groups", {}).values():
         for target in group.get("targets", []):
             regex = target[3:] if target.startswith("re:") else None
             if (regex and re.match(regex, stored_name)) or (target == "Linear" and not is_table):
-                return QuantizationArgs(**group["weights"])
+                args = QuantizationArgs(**group["weights"])
+                wrong = [f"{key}={getattr(args, key)}" for key, value in INT4.items() if getattr(args, key) != value]
+                if wrong:
+                    rule = ", ".join(f"{key}={value}" for key, value in INT4.items())
+                    raise CheckpointError(
+                        f"checkpoint quantizes {stored_name} with {', '.join(wrong)}; decodebench reads {rule}"
+                    )
+                return args
     raise CheckpointError(f"no quantization group targets {stored_name}")
 
 
@@ -218,9 +229,8 @@ def unpack_weight(tensors: dict[str, torch.Tensor], stored: str) -> torch.Tensor
 
 
 def dequantize(levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype) -> torch.Tensor:
-    """w = level * scale[group], computed in float32 and cast once to ``dtype``."""
-    if args.num_bits != 4 or not args.symmetric or args.strategy != "group":
-        raise CheckpointError(f"unsupported weight quantization {args}")
+    """w = level * scale[group], computed in float32 and cast once to ``dtype`` (``args`` as ``_quant_args``
+    gives them: groups of ``args.group_size`` columns)."""
     rows, cols = levels.shape
     grouped = levels.to(torch.float32).view(rows, cols // args.group_size, args.group_size)
     return (grouped * scale.to(torch.float32)[:, :, None]).view(rows, cols).to(dtype)
@@ -253,9 +263,14 @@ def text_state_dict(
             is_table = module.endswith(("embed_tokens", "embed_tokens_per_layer")) or module == "lm_head"
             args = _quant_args(ckpt.quantization, stored_module, is_table)
             scale = tensors[f"{stored_module}.weight_scale"]
+            rows, cols = shape = tuple(tensors[f"{stored_module}.weight_shape"].tolist())
+            if cols % args.group_size or tuple(scale.shape) != (rows, cols // args.group_size):
+                raise CheckpointError(
+                    f"{stored_module}: {tuple(scale.shape)} scales do not fit a {shape} weight quantized with "
+                    f"group_size={args.group_size} (one scale per group_size columns)"
+                )
             if module.rpartition(".")[2] in keep_packed or (keep_linears and not is_table):
-                shape = tuple(tensors[f"{stored_module}.weight_shape"].tolist())
-                packed[module] = PackedTable(tensors[stored], scale, shape)
+                packed[module] = PackedTable(tensors[stored], scale, shape, args.group_size)
                 continue
             out[f"{module}.weight"] = dequantize(unpack_weight(tensors, stored_module), scale, args, dtype)
         elif tensors[stored].is_floating_point():

@@ -4,8 +4,9 @@ With ``engine.weights=int4`` an engine reads the ``-emb4`` twin, where every lar
 keeps them so: the vocabulary tables as ``Int4Embedding`` (packed rows looked up, only those
 unpacked) and every linear, ``lm_head`` included, as ``Int4Linear``.
 
-The checkpoint's W4A16 levels and group-32 scales are used as stored (no re-quantization), repacked
-once at load into the layout the device's kernel wants:
+The checkpoint's W4A16 levels and scales (one per ``group_size`` inputs, as its ``quantization_config``
+says) are used as stored (no re-quantization, no rounding), repacked once at load into the layout the
+device's kernel wants:
 
 * ``cpu``: ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``;
 * ``cuda``: tinygemm's ``aten._weight_int4pack_mm`` over ``aten._convert_weight_to_int4pack`` (bf16);
@@ -13,7 +14,10 @@ once at load into the layout the device's kernel wants:
   unpack into the matmul is what a TPU run measures).
 
 The asymmetric kernels compute w = (q - 8) * scale + zero with q = level + 8 and zero = 0, which is
-the checkpoint's w = level * scale exactly.
+the checkpoint's w = level * scale exactly. They take group sizes 32, 64, 128 and 256 only (another is
+``skipped``, named), and scales in the activations' dtype only: scales that dtype cannot hold (the
+``-emb4`` twin's float16 ones in a bf16 run) are split into parts it holds, summing to them exactly
+(``scale_parts``), and the kernel runs once per part.
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from torch import nn
 
 from decodebench.checkpoint import PackedTable
-
-GROUP = 32
+from engines.base import EngineLimit
 
 
 class Weights(StrEnum):
@@ -47,7 +50,8 @@ warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the schedu
 
 
 class Int4Embedding(nn.Module):
-    """An embedding whose table stays packed: int32 words [rows, cols/8], scales [rows, cols/32].
+    """An embedding whose table stays packed: int32 words [rows, cols/8], scales [rows, cols/group_size]
+    as stored.
 
     ``forward(ids)`` gives the same values as the dequantized table times ``embed_scale``, in ``dtype``.
     """
@@ -57,14 +61,14 @@ class Int4Embedding(nn.Module):
         self.register_buffer("packed", table.packed.to(device))
         self.register_buffer("scale", table.scale.to(device))
         self.register_buffer("shifts", torch.arange(0, 32, 4, dtype=torch.int32, device=device))
-        self.cols = table.shape[1]
+        self.cols, self.group = table.shape[1], table.group_size
         self.dtype = dtype
         self.embed_scale = embed_scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         words, scale = self.packed[ids], self.scale[ids]
         levels = ((words.unsqueeze(-1) >> self.shifts) & 15).to(torch.float32) - 8
-        groups = levels.view(*ids.shape, scale.shape[-1], -1) * scale.unsqueeze(-1).to(torch.float32)
+        groups = levels.view(*ids.shape, -1, self.group) * scale.unsqueeze(-1).to(torch.float32)
         weights = groups.view(*ids.shape, self.cols).to(self.dtype)
         return weights * torch.tensor(self.embed_scale, dtype=self.dtype, device=ids.device)
 
@@ -85,12 +89,37 @@ def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes (inputs per scale) the cpu and cuda kernels take
+
+
+def scale_parts(scale: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The checkpoint's scales as ``dtype`` tensors whose sum is exactly them: one when ``dtype`` holds
+    them (bf16 scales in a bf16 run, any in float32), two for float16 scales in a bf16 run (bf16 keeps 8
+    of their 11 significant bits; what is left has at most 3), three at most (float32 scales in bf16)."""
+    parts, rest = [], scale.to(torch.float64)
+    for _ in range(3):
+        parts.append(rest.to(dtype))
+        rest = rest - parts[-1].to(torch.float64)  # exact: the rounding error of a float32 value
+        if not rest.any():
+            return parts
+    raise EngineLimit(
+        f"the checkpoint's {scale.dtype} scales are no sum of three {dtype} values (one lies outside {dtype}'s "
+        f"range); engine.weights=int4 computes with the stored scales exactly, in the run's dtype"
+    )
+
+
 class Int4Linear(nn.Module):
-    """``y = x @ w.T`` with ``w`` held 4-bit: [out, in] levels and one scale per 32 inputs."""
+    """``y = x @ w.T`` with ``w`` held 4-bit: [out, in] levels and one scale per ``group_size`` inputs.
+
+    ``tpu`` keeps the scales as stored and unpacks in float32; ``cpu`` and ``cuda`` hold them as
+    ``scale_parts`` in the run's dtype ([parts, in/group_size, out, 2] scales and zeros), call the
+    kernel once per part and sum the parts' outputs in float32.
+    """
 
     def __init__(self, weight: PackedTable, dtype: torch.dtype, device: torch.device, kind: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.group = weight.group_size
         self.kind = kind or device.type  # which kernel (a KERNELS key); tests run the tpu one on a CPU
         if self.kind == "tpu":
             self.register_buffer("words", weight.packed.to(device))
@@ -98,27 +127,35 @@ class Int4Linear(nn.Module):
             self.register_buffer("shifts", torch.arange(0, 32, 4, dtype=torch.int32, device=device))
             self.dtype = dtype
             return
+        if self.group not in KERNEL_GROUPS:
+            *most, last = KERNEL_GROUPS
+            raise EngineLimit(
+                f"checkpoint quantizes linears with group_size={self.group}; engine.weights=int4 on {self.kind} "
+                f"runs {KERNELS[self.kind]}, which takes group_size {', '.join(map(str, most))} or {last}"
+            )
         levels = unpack_from_int32(weight.packed, 4, torch.Size(weight.shape)).to(torch.int32) + 8  # 0..15
-        zeros = torch.zeros_like(weight.scale, dtype=torch.float32)
-        scales_and_zeros = torch.stack([weight.scale.float().t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        parts = [
+            torch.stack([part.t(), torch.zeros_like(part.t())], dim=-1) for part in scale_parts(weight.scale, dtype)
+        ]
         if self.kind == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+            self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
         else:
             nibbles = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), 8)
+            self.kernel = torch.ops.aten._weight_int4pack_mm
         self.register_buffer("packed", packed.to(device))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device))
+        self.register_buffer("scales_and_zeros", torch.stack(parts).contiguous().to(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.kind == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
-        elif self.kind == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(rows, self.packed, GROUP, self.scales_and_zeros)
-        else:
+        if self.kind == "tpu":
             levels = ((self.words.unsqueeze(-1) >> self.shifts) & 15).to(torch.float32) - 8
-            grouped = levels.view(self.out_features, -1, GROUP) * self.scale.to(torch.float32).unsqueeze(-1)
+            grouped = levels.view(self.out_features, -1, self.group) * self.scale.to(torch.float32).unsqueeze(-1)
             y = F.linear(rows, grouped.view(self.out_features, self.in_features).to(self.dtype))
+        else:
+            parts = [self.kernel(rows, self.packed, self.group, part) for part in self.scales_and_zeros]
+            y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(rows.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -162,7 +162,7 @@ def test_a_setting_given_once_beside_a_sweep_applies_where_taken_and_is_refused_
     assert '"status": "ok"' in records["static"]
     assert '"status": "failed"' in records["generate"]
     assert "engine generate has no setting engine.mode" in records["generate"]
-    assert "engine.mode is a setting of static" in records["generate"]
+    assert "engine.mode is a setting of rust, static" in records["generate"]
 
 
 @pytest.mark.parametrize(

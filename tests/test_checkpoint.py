@@ -79,9 +79,12 @@ def test_loaded_weights_equal_the_dequantized_saved_ones(tiny):
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
 
 
-def test_twins_dequantize_to_the_same_model(tiny):
-    a, _ = load_model(open_checkpoint(tiny.w4a16), torch.float32, torch.device("cpu"))
-    b, _ = load_model(open_checkpoint(tiny.emb4), torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_twins_dequantize_to_the_same_model(tiny, dtype):
+    """The dense float16 tables of w4a16 are emb4's int4 ones dequantized (so Transformers' reference on
+    w4a16 is the model the emb4 engines run), in a float32 run and rounded once in a bf16 one."""
+    a, _ = load_model(open_checkpoint(tiny.w4a16), dtype, torch.device("cpu"))
+    b, _ = load_model(open_checkpoint(tiny.emb4), dtype, torch.device("cpu"))
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -101,7 +104,8 @@ def test_shape_overrides_name_another_checkpoint():
     base = make_cfg().model
     other = make_cfg("model.num_hidden_layers=7", "model.sliding_window=8").model
     assert checkpoint_key(base) != checkpoint_key(other)
-    assert checkpoint_key(base) == checkpoint_key(make_cfg().model)
+    assert checkpoint_key(base) != checkpoint_key(base, group_size=64)
+    assert checkpoint_key(base) == checkpoint_key(make_cfg().model) == checkpoint_key(base, group_size=32)
 
 
 def _copy(tiny, tmp_path: Path) -> Path:
@@ -118,6 +122,17 @@ def test_missing_weight_is_an_error_not_a_random_init(tiny, tmp_path):
     del tensors["model.language_model.layers.1.mlp.up_proj.weight_shape"]
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="uninitialised.*layers.1.mlp.up_proj.weight"):
+        load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
+
+
+def test_scales_that_do_not_fit_the_group_size_are_an_error(tiny, tmp_path):
+    path = _copy(tiny, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64  # tensors: groups of 32
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match=r"down_proj: \(128, 8\) scales do not fit a \(128, 256\) weight.*group_size=64"
+    ):
         load_model(open_checkpoint(path), torch.float32, torch.device("cpu"))
 
 

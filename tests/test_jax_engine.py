@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench import evidence
 from decodebench.checkpoint import (
@@ -72,7 +73,17 @@ def test_a_jax_decode_cell_writes_valid_evidence_and_two_programs(cell_cfg, tiny
     engine, measured = record["engine"], record["measurements"]
     assert engine["programs"] == {"piece": 1, "step": 1} and engine["graphs"] == 2
     assert engine["step_matmul"] == "reduce"  # auto on a CPU
-    assert measured["weight_bytes_from_shape"]["value"] > 0 and measured["cache_bytes_from_shape"]["value"] > 0
+    config = open_checkpoint(tiny.w4a16).config  # bf16 (the cell's dtype): 2 bytes a value
+    with torch.device("meta"):
+        state = Gemma4ForCausalLM(config).state_dict(keep_vars=True)
+    values = sum(t.numel() for t in {id(t): t for t in state.values()}.values())  # lm_head tied: counted once
+    assert measured["weight_bytes_from_shape"]["value"] == 2 * (values + 2)  # and the two embedding scales
+    layout = engine["layout"]
+    slots = {"full_attention": layout["full_slots"], "sliding_attention": layout["ring_slots"]}
+    kv = [2 * n["kv_heads"] * n["head_dim"] * slots[n["type"]] for i, n in enumerate(record["model"]["layers"])
+          if n["kv_source"] == i]  # fmt: skip
+    assert len(kv) == layout["full_layers"] + layout["sliding_layers"]
+    assert measured["cache_bytes_from_shape"]["value"] == 2 * sum(kv)
     assert measured["decode_phase_tok_s"]["values"] and "VmHWM" in measured["memory_peak_rss"]["counter"]
     assert record["environment"]["device_kind"] == "cpu"
 
