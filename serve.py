@@ -1,13 +1,15 @@
 """``python serve.py engine=ring model=tiny serve.port=8000``: the OpenAI-compatible server (``serving``)
 over one engine, from the command line.
 
-It composes the same Hydra config as ``run.py`` (plus ``serve.host``, default 127.0.0.1, and
-``serve.port``), opens and loads the engine through the one factory (``engines.open``) on this, the
-main, thread, runs one warm-up decode, then serves until Ctrl-C.
+It composes the same Hydra config as ``run.py`` (plus ``serve.host``, default 127.0.0.1, ``serve.port``,
+``serve.max_body_bytes`` and ``serve.max_queue``), opens and loads the engine through the one factory
+(``engines.open``) on this, the main, thread, runs one warm-up decode, then serves until Ctrl-C or
+SIGTERM (both stop it the same way: the "stopped" line, the engine closed, exit status 0).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import hydra
@@ -29,7 +31,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C."""
+    """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C or SIGTERM."""
     try:
         run = typed_config(cfg)
         device = resolve_device(run.device.kind, engine_class(run.engine.name).framework)
@@ -45,7 +47,8 @@ def main(cfg: DictConfig) -> None:
             _, warmup_s = timed(device, lambda: engine.generate(ids, min(run.max_new_tokens, run.context - len(ids))))
     served = describe_engine(opened, run.model.name, load_s, warmup_s, read_every)
     worker = EngineWorker(engine, Metrics(), read_every)
-    with running(create_app(served, worker, opened), run.serve.host, run.serve.port) as url:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM raises KeyboardInterrupt, as Ctrl-C does
+    with running(create_app(served, worker, opened, run.serve), run.serve.host, run.serve.port) as url:
         print(f"decodebench serving {run.engine.name} / {run.model.name} at {url}/v1 (chat page: {url}/); "
               f"load {load_s:.2f} s, warm-up {warmup_s:.2f} s", flush=True)  # fmt: skip
         try:

@@ -142,15 +142,23 @@ class DeviceConfig:
 
 @dataclass
 class ServeConfig:
-    """Where ``serve.py`` listens (not a measured setting: the serve experiment always takes a free
-    loopback port). Binds the loopback address unless told otherwise."""
+    """Where ``serve.py`` listens and what its server admits (not measured settings: the serve experiment
+    always takes a free loopback port). Binds the loopback address unless told otherwise.
+
+    ``max_body_bytes``: the largest request body read (more: a 413); a whole 131,328-token context sent
+    as token ids is about 1 MB of JSON. ``max_queue``: requests (one per prompt) waiting for the engine
+    beside the one it decodes (more: a 429 with Retry-After).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port={self.port} must be 0 (a free port) to 65535")
+        at_least("serve.", self, 1, "max_body_bytes", "max_queue")
 
 
 @dataclass

@@ -21,3 +21,9 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
     """A run's prompt: one user turn through the chat template, or BOS + text."""
     return chat_ids(tokenizer, [{"role": "user", "content": text}]) if chat_template else text_ids(tokenizer, text)
+
+
+def template_names(tokenizer: PreTrainedTokenizerBase, role: str) -> bool:
+    """Whether the checkpoint's chat template names ``role`` in its source (a template that names no
+    developer role would write one as an unknown turn the model never saw)."""
+    return role in str(tokenizer.chat_template or "")

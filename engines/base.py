@@ -68,6 +68,7 @@ class Engine(ABC):
     framework: ClassVar[str] = "torch"  # which framework's device the cell resolves (decodebench.device)
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
+    scores_prompt: ClassVar[bool] = False  # True: prompt_logits() reads a prompt's logits at every position
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
     def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -120,6 +121,11 @@ class Engine(ABC):
         soon as the prompt read made it; the ``generate`` family hands over each token); when it
         returns False the call stops after that batch and ``tokens`` holds what was made so far.
         """
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [len(prompt_ids), vocab] float32 on the host, row i from the ids up to i (it predicts token
+        i + 1: the server's echoed log-probabilities); engines that set ``scores_prompt``. Not timed."""
+        raise EngineLimit(f"engine {self.name} cannot read a prompt's logits at every position")
 
     def close(self) -> None:
         """Drops the model, caches and compiled programs; the engine cannot be called after this."""

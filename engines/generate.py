@@ -117,6 +117,7 @@ class GenerateEngine(Engine):
 
     name = "generate"
     config = GenerateEngineConfig
+    scores_prompt = True
     eager_mode: str | None = None  # TorchTPU eager mode to run generate under (None: the default)
 
     def load(self) -> None:
@@ -133,6 +134,17 @@ class GenerateEngine(Engine):
     def describe(self) -> dict[str, Any]:
         return {"loader": str(self.ctx.engine_cfg.loader)}
 
+    def running(self) -> contextlib.AbstractContextManager[Any]:
+        """The TorchTPU eager mode the model runs under (none by default)."""
+        return tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The model's own forward over the prompt, no cache kept."""
+        with self.running():
+            ids = torch.tensor([prompt_ids], device=self.model.device)
+            return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+
     @torch.inference_mode()  # the cache is reset in place: it must be inside, with the generate that made it
     def generate(
         self,
@@ -142,8 +154,7 @@ class GenerateEngine(Engine):
         return_logits: bool = False,
         on_tokens: OnTokens | None = None,
     ) -> Generation:
-        mode = tpu_eager_mode(self.eager_mode) if self.eager_mode else contextlib.nullcontext()
-        with mode:
+        with self.running():
             return greedy_generate(
                 self.model,
                 prompt_ids,

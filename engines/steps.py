@@ -70,6 +70,7 @@ class SteppedEngine(Engine):
 
     streams = True
     splits_phases = True
+    scores_prompt = True
 
     @abstractmethod
     def reset(self) -> None:
@@ -137,6 +138,10 @@ class SteppedEngine(Engine):
             end = time.perf_counter()
             stacked = self.host_logits(kept) if return_logits else None
         return Generation(tokens, stacked, read_s=first - start, decode_s=end - first)
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced (``teacher_forced``): one decode step per prompt token after the first."""
+        return self.teacher_forced(prompt_ids)
 
     def teacher_forced(self, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), V] float32 on the host at every position of ``ids``, each reading only the ids

@@ -15,9 +15,9 @@ official ``openai`` client runs the method on a third:
    ``engine_tok_s`` = (engine tokens - 1)/decode_s (the response's ``decodebench`` field), and the
    client's seconds around the call.
 2. (b) each of ``prompts`` streamed once: TTFT (send to the first token chunk), ITL (every gap between
-   consecutive token chunks), TPOT = (E2EL - TTFT)/(tokens - 1), E2EL (send to the end of the
-   stream), ``client_tok_s`` = (tokens - 1)/(E2EL - TTFT), tokens from the usage field, checked
-   against the token counts the chunks carry. ITL percentiles are over gaps, not requests.
+   consecutive tokens: a chunk of k tokens is k tokens at its arrival), TPOT = (E2EL - TTFT)/(tokens - 1),
+   E2EL (send to the end of the stream), ``client_tok_s`` = (tokens - 1)/(E2EL - TTFT), tokens from the
+   usage field, checked against the token counts the chunks carry. ITL percentiles are over gaps, not requests.
 3. (c) cancel: a stream asking for all the cache holds is dropped after ``cancel_after`` token
    chunks; the server's cancel counter must move by exactly one and the engine go idle within
    ``idle_timeout_s`` (``/health``, ``/metrics``), else the cell fails.
@@ -177,7 +177,7 @@ def streamed(client: Any, model: str, text: str, max_tokens: int, read_every: in
         choice = chunk.choices[0]
         if choice.finish_reason is not None:
             finish, ext = choice.finish_reason, chunk.model_extra["decodebench"]
-        elif choice.delta.role is None:  # a token batch (the first chunk only names the role)
+        elif choice.delta.role is None and chunk.model_extra["decodebench"]["tokens"]:  # a chunk with tokens
             stamps.append(now)
             counts.append(chunk.model_extra["decodebench"]["tokens"])
     end = time.perf_counter()
@@ -192,8 +192,8 @@ def streamed(client: Any, model: str, text: str, max_tokens: int, read_every: in
     rate = (tokens - 1) / (e2el - ttft) if tokens > 1 else None
     return {"prompt": text, "tokens": tokens, "chunks": len(stamps), "finish": finish, "ttft_s": ttft,
             "e2el_s": e2el, "tpot_s": (e2el - ttft) / (tokens - 1) if tokens > 1 else None,
-            "client_tok_s": rate, "itl_s": [float(g) for g in np.diff(stamps)], "engine_tok_s": ext["engine_tok_s"],
-            "read_s": ext["read_s"]}  # fmt: skip
+            "client_tok_s": rate, "itl_s": [float(g) for g in np.diff(np.repeat(stamps, counts))],
+            "engine_tok_s": ext["engine_tok_s"], "read_s": ext["read_s"]}  # fmt: skip
 
 
 def cancel(client: Any, url: str, model: str, prompt: str, room: int, exp: Any, worker: EngineWorker) -> dict[str, Any]:
@@ -326,7 +326,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         "client_tok_s": ([s["client_tok_s"] for s in streams], "tok/s", {"formula": "(tokens-1)/(E2EL-TTFT)"}),
     }
     if gaps:  # one-chunk streams have no gaps
-        m["itl_s"] = samples(gaps, "s", method="gaps between consecutive token chunks", **percentiles(gaps))
+        itl = "gaps between consecutive tokens, a chunk of k tokens counted as k tokens at its arrival"
+        m["itl_s"] = samples(gaps, "s", method=itl, **percentiles(gaps))
     for name, (values, unit, extra) in optional.items():
         kept = [v for v in values if v is not None]
         if kept:  # an engine that cannot split a call has no engine timers
@@ -355,7 +356,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         bare_served_length_tok_s="as bare_decode_tok_s with N = the served requests' median engine tokens",
         served_engine_tok_s="(engine tokens - 1)/decode_s, the engine's own timer inside the server",
         ttft_s="client: create() to the first token chunk's arrival",
-        itl_s="client: arrival gaps between consecutive token chunks",
+        itl_s="client: gaps between consecutive tokens (a chunk of k tokens: k tokens at its arrival)",
         e2el_s="client: create() to the end of the stream",
     )
     return result

@@ -1,4 +1,5 @@
-"""Serving over any engine: the OpenAI-compatible server (``server``), the one thread that owns the engine
+"""Serving over any engine: the OpenAI-compatible server (``server``), the fields its requests may hold
+(``api``), tokens into text and log-probabilities (``text``), the one thread that owns the engine
 (``worker``), the chat page and its headless-browser screenshot (``browser``).
 
 The package sits above the engines and below the experiments: ``experiment=serve`` measures through it,

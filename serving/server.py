@@ -1,92 +1,108 @@
 """An OpenAI-compatible server over any decodebench engine (``serve.py`` runs it from the command line;
 ``experiment=serve`` measures through it):
 
-* ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events) or not.
-  Decoding is greedy (sampling fields are accepted and ignored); ``max_tokens`` (default: what the
-  cache holds after the prompt); generation stops at the checkpoint's EOS ids; chat prompts go
-  through the checkpoint's chat template. Every response carries a ``decodebench`` extension field
-  (``worker.Finished.extension``): the engine's own ``read_s`` and ``decode_s`` for this request,
-  ``engine_tokens``, ``engine_tok_s`` = (engine_tokens - 1) / decode_s, ``queue_s`` and ``finish``;
-  a stream carries it on its last chunk, and each token chunk its batch's token count (``tokens``).
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/engine`` (what
-  is loaded and how, as of the warm-up), ``GET /`` (a chat page: replies stream, Stop cancels).
+* ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events) or not,
+  each field taken as OpenAI documents it, accepted at the one value that describes greedy decoding,
+  or refused by name (``serving.api``). ``max_tokens`` defaults to what the cache holds after the
+  prompt; a reply ends at the checkpoint's EOS ids and at ``stop`` strings (``serving.text``); chat
+  prompts go through the checkpoint's chat template; several completion prompts give one choice each,
+  in order. Every response carries a ``decodebench`` extension field (``worker.Finished.extension``):
+  the engine's own ``read_s`` and ``decode_s`` for this request, ``engine_tokens``, ``engine_tok_s`` =
+  (engine_tokens - 1) / decode_s, ``queue_s`` and ``finish`` (several prompts: one such record each
+  under ``prompts``), ``ignored`` (fields accepted without effect) and ``notes``; a stream carries it
+  on each choice's last chunk, and each token chunk its batch's token count (``tokens``).
+* ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text),
+  ``GET /v1/engine`` (what is loaded and how, as of the warm-up), ``GET /`` (a chat page: replies
+  stream, Stop cancels).
 
-Bad input (malformed JSON, an empty message list, ``max_tokens`` < 1, a prompt that does not fit the
-cache, an unknown model) gets a 4xx with an OpenAI-shaped error body and the server keeps serving.
-The engine is owned by the thread that built it (``serving.worker``); uvicorn and the event loop
-run on a thread of their own and never call the model. A client that goes away mid-stream cancels
-its decode at the engine's next batch.
+Bad input (malformed JSON, a refused or unknown field, a prompt that does not fit the cache, an
+unknown model or route, a body over ``serve.max_body_bytes``, a full queue: ``serve.max_queue``) gets
+a 4xx with an OpenAI-shaped error body naming the field, and the server keeps serving. The engine is
+owned by the thread that built it (``serving.worker``); uvicorn and the event loop run on a thread of
+their own and never call the model, and tokenizing and detokenizing run off the event loop
+(``asyncio.to_thread``). A client that goes away, streamed or not, cancels its decode at the engine's
+next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from decodebench.config import ServeConfig
 from decodebench.environment import capture
-from decodebench.prompts import chat_ids, text_ids
+from decodebench.prompts import chat_ids, template_names, text_ids
+from engines import ENGINES
 from engines.open import OpenEngine
+from serving.api import ChatRequest, CompletionRequest, where
+from serving.text import StopRule, TextStream, TokenText, whole_text
 from serving.worker import EngineWorker, Finished, Job
 
 CHAT_PAGE = Path(__file__).resolve().parent / "chat.html"
 STARTUP_S = 30.0  # how long ``running`` waits for uvicorn to listen
+RECENT = 16  # decodes the Retry-After estimate looks back on
+Body = ChatRequest | CompletionRequest
 
 
-class APIError(Exception):
-    """A request the server refuses, as OpenAI shapes it: ``{"error": {message, type, param, code}}``."""
+class APIError(HTTPException):
+    """A request the server refuses, as OpenAI shapes it: ``{"error": {message, type, param, code}}``.
+    An HTTPException, so FastAPI passes it on from where it reads the body (the body limit raises it there)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = "invalid_request_error" if status < 500 else "server_error"
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(status, message, headers)
+        self.message, self.param, self.code = message, param, code
 
     def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        status = self.status_code
+        kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=status, headers=self.headers)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused (413) as it is read, on its
+    declared Content-Length or, sent in chunks, on the bytes that came."""
 
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
 
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = int(dict(scope["headers"]).get(b"content-length", 0))
+        received = 0
 
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if max(declared, received) > self.limit:
+                raise APIError(413, f"the request body is over serve.max_body_bytes={self.limit} bytes",
+                               code="request_too_large")  # fmt: skip
+            return message
 
-class Common(BaseModel):
-    """Fields both endpoints read; sampling fields (temperature, top_p, ...) are accepted and ignored."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-class CompletionRequest(Common):
-    prompt: str = Field(min_length=1)
+        await self.app(scope, limited, send)
 
 
 @dataclass
@@ -99,6 +115,8 @@ class Served:
     context: int
     info: dict[str, Any]  # the /v1/engine document
     fingerprint: str
+    vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+    developer_role: bool  # the chat template names a developer role (else developer turns are read as system)
 
 
 def describe_engine(
@@ -124,165 +142,255 @@ def describe_engine(
         "layout": engine.describe(),
     }
     return Served(model_id, opened.tokenizer, opened.eos_ids, opened.ctx.context, info,
-                  f"decodebench-{opened.name}-greedy")  # fmt: skip
+                  f"decodebench-{opened.name}-greedy", opened.checkpoint.config.vocab_size,
+                  template_names(opened.tokenizer, "developer"))  # fmt: skip
 
 
-class Detokenizer:
-    """Text deltas for a growing list of ids (EOS dropped); holds back a half-decoded character."""
+@dataclass
+class Reply:
+    """One prompt's decode as the HTTP side follows it: its job, its text, the prompt it echoes (text
+    and each token's offset in it; empty without echo) and, once it comes, the worker's record."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: list[int]) -> None:
-        self.tokenizer, self.eos = tokenizer, set(eos_ids)
-        self.ids: list[int] = []
-        self.text = ""
+    index: int
+    job: Job
+    text: TextStream
+    echo: str = ""
+    echo_offsets: list[int] = field(default_factory=list)
+    record: Finished | None = None
 
-    def push(self, batch: list[int]) -> str:
-        self.ids += [t for t in batch if t not in self.eos]
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
-        return delta
+    async def batches(self) -> AsyncIterator[tuple[str, int]]:
+        """Per batch the engine read: the text a client may see now (decoded off the event loop) and the
+        batch's token count; ``record`` is set once the job's last event comes."""
+        while not isinstance(event := await self.job.events.get(), Finished):
+            yield await asyncio.to_thread(self.text.feed, event), len(event)
+        self.record = event
 
 
-def create_app(served: Served, worker: EngineWorker, opened: OpenEngine) -> FastAPI:
-    """The FastAPI app; ``opened`` is read only for its fit rule (pure Python), its engine never called."""
+@asynccontextmanager
+async def watching(request: Request, jobs: list[Job]) -> AsyncIterator[None]:
+    """While the block runs, a task awaits starlette's ``http.disconnect``: the client going away
+    cancels every job at its engine's next batch, at once, streamed or not (nothing polled). Leaving
+    the block cancels any job not finished (a no-op for the others)."""
+
+    def cancel() -> None:
+        for job in jobs:
+            job.cancel.set()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        cancel()
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def create_app(
+    served: Served, worker: EngineWorker, opened: OpenEngine, settings: ServeConfig | None = None
+) -> FastAPI:
+    """The FastAPI app; ``opened`` is read only for its fit rule and engine class (pure Python), its engine
+    never called; ``settings``: the body limit and the queue bound (``serve.*``; the defaults when None)."""
+    settings = settings or ServeConfig()
     app = FastAPI(title="decodebench", docs_url=None, redoc_url=None)
-    metrics = worker.metrics
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    metrics, tokens = worker.metrics, TokenText(served.tokenizer)
+    scorers = [name for name, cls in ENGINES.items() if cls.scores_prompt]
     app.state.served, app.state.worker = served, worker
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        metrics.rejected.labels(str(exc.status)).inc()
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Every refusal, ours or starlette's (an unknown route, a wrong method), OpenAI-shaped and counted."""
+        if not isinstance(exc, APIError):
+            code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+            exc = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code,
+                           headers=exc.headers)  # fmt: skip
+        metrics.rejected.labels(str(exc.status_code)).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        if first.get("type") == "json_invalid":
-            error = APIError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": (), "type": ""}
+        kind, name = first.get("type"), where(tuple(first.get("loc", ())))
+        if kind == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first.get("msg"))
+            error = APIError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
+        elif kind == "extra_forbidden":
+            error = APIError(400, f"{name}: unrecognized field: this server refuses what it does not implement "
+                             "rather than ignore it", param=name, code="unrecognized_field")  # fmt: skip
         else:
-            where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            error = APIError(400, f"{where}: {first.get('msg')}", param=where or None, code="invalid_value")
-        metrics.rejected.labels("400").inc()
-        return error.response()
+            code = "unsupported_value" if kind == "unsupported" else "invalid_value"
+            message = f"{name}: {first.get('msg')}" if name else str(first.get("msg"))
+            error = APIError(400, message, param=name or None, code=code)
+        return await http_error(request, error)
 
-    def admit(model: str, ids: list[int], max_tokens: int | None) -> int:
-        """The model name and the fit rule; returns the token budget."""
+    def check_model(model: str) -> None:
         if model != served.model_id:
             raise APIError(404, f"model {model!r} does not exist; this server serves {served.model_id!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        room = served.context - len(ids)
-        budget = max(room, 1) if max_tokens is None else max_tokens
-        misfit = opened.misfit(len(ids), budget, "max_tokens")
-        if misfit:
-            param = "messages" if room < 1 else "max_tokens"
-            raise APIError(400, misfit.reason, param=param, code="context_length_exceeded")
-        return budget
 
-    async def events(job: Job, request: Request) -> AsyncIterator[list[int] | Finished]:
-        """The job's events until its record; a client gone while waiting cancels the decode."""
-        while True:
-            get = asyncio.ensure_future(job.events.get())
-            try:
-                while not (await asyncio.wait({get}, timeout=0.25))[0]:  # the same get, never a lost event
-                    if await request.is_disconnected():
-                        job.cancel.set()
-            finally:
-                get.cancel()  # a no-op once done; when this generator is cancelled, the pending get goes
-            event = get.result()
-            yield event
-            if isinstance(event, Finished):
-                return
+    def retry_after() -> int:
+        """Seconds until the engine likely takes another job: its recent decodes' median, rounded up."""
+        recent = [r.ended - r.started for r in list(worker.records)[-RECENT:]]
+        return max(1, math.ceil(statistics.median(recent))) if recent else 1
+
+    def admit(kind: str, body: Body, prompts: list[list[int]], score_prompt: bool) -> list[Job]:
+        """Each prompt held to the fit rule and ``min_tokens``, then room in the queue for all: the jobs."""
+        rule = StopRule(frozenset(served.eos_ids), tuple(body.stop or ()), body.min_tokens, body.ignore_eos)
+        loop, jobs = asyncio.get_running_loop(), []
+        for ids in prompts:
+            room = served.context - len(ids)
+            budget = max(room, 1) if body.budget is None else body.budget
+            misfit = opened.misfit(len(ids), budget, "max_tokens")
+            if misfit:
+                param = ("messages" if kind == "chat" else "prompt") if room < 1 else "max_tokens"
+                raise APIError(400, misfit.reason, param=param, code="context_length_exceeded")
+            if body.min_tokens > budget:
+                raise APIError(400, f"min_tokens={body.min_tokens} is more than the {budget} tokens this reply may "
+                               "have (max_tokens, or what the cache holds after the prompt)", param="min_tokens",
+                               code="invalid_value")  # fmt: skip
+            jobs.append(Job(ids, budget, kind, loop, rule, body.top_k, score_prompt))
+        waiting = worker.jobs.qsize()
+        after = waiting + len(jobs) - (0 if worker.busy else 1)  # an idle engine takes the first job at once
+        if after > settings.max_queue:
+            raise APIError(429, f"{waiting} requests wait for the engine and this one would make {after} wait: "
+                           f"serve.max_queue={settings.max_queue}; retry later", code="queue_full",
+                           headers={"Retry-After": str(retry_after())})  # fmt: skip
+        return jobs
 
     def head(kind: str, job: Job) -> dict[str, Any]:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return {"id": f"{prefix}-{job.id}", "created": int(time.time()), "model": served.model_id,
                 "system_fingerprint": served.fingerprint}  # fmt: skip
 
-    def usage(record: Finished) -> dict[str, int]:
-        total = record.prompt_tokens + record.completion_tokens
-        return {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                "total_tokens": total}  # fmt: skip
+    def usage(records: list[Finished]) -> dict[str, int]:
+        prompt, completion = sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def choice(kind: str, text: str, finish: str | None, final: bool) -> dict[str, Any]:
+    def logprobs(kind: str, reply: Reply) -> dict[str, Any] | None:
+        """The reply's log-probabilities in its endpoint's shape (None: not asked, or no decode to score)."""
+        record = reply.record
+        if record.scores is None:
+            return None
+        if kind == "chat":
+            return tokens.chat(record.scores)
+        unscored, scores, offsets = [], record.scores, reply.text.offsets
+        if record.prompt_scores is not None:  # echo: the prompt's first token, the rest of it, then the reply
+            unscored, scores = reply.job.prompt_ids[:1], record.prompt_scores + scores
+            offsets = reply.echo_offsets + [len(reply.echo) + o for o in offsets]
+        return tokens.completion(unscored, scores, offsets)
+
+    def choice(kind: str, index: int, text: str, finish: str | None, scored: dict[str, Any] | None,
+               final: bool) -> dict[str, Any]:  # fmt: skip
         if kind == "chat":
             body = {"message": {"role": "assistant", "content": text}} if final else {"delta": {"content": text}}
         else:
             body = {"text": text}
-        return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
+        return {"index": index, **body, "finish_reason": finish, "logprobs": scored}
 
-    async def complete(kind: str, request: Request, ids: list[int], budget: int, stream: bool,
-                       include_usage: bool) -> Response:  # fmt: skip
-        job = Job(ids, budget, kind, asyncio.get_running_loop())
-        worker.submit(job)
-        detok = Detokenizer(served.tokenizer, served.eos_ids)
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        if not stream:
-            record: Finished | None = None
-            try:
-                async for event in events(job, request):
-                    if isinstance(event, Finished):
-                        record = event
-                    else:
-                        detok.push(event)
-            finally:
-                if record is None:
-                    job.cancel.set()
-            if record.finish == "error":
-                raise APIError(500, f"the engine failed: {record.error}", code="engine_error")
-            return JSONResponse({**head(kind, job), "object": obj,
-                                 "choices": [choice(kind, detok.text, record.finish, final=True)],
-                                 "usage": usage(record), "decodebench": record.extension()})  # fmt: skip
-
-        def sse(data: dict[str, Any]) -> str:
-            return f"data: {json.dumps(data)}\n\n"
+    async def complete(kind: str, request: Request, body: Body, prompts: list[list[int]], notes: dict[str, str],
+                       echoes: list[tuple[str, list[int]]] | None = None) -> Response:  # fmt: skip
+        """The prompts' jobs queued, followed and answered: one JSON response, or a stream of chunks."""
+        jobs = admit(kind, body, prompts, score_prompt=echoes is not None and body.top_k is not None)
+        replies = [Reply(i, job, TextStream(served.tokenizer, job.rule), *(echoes[i] if echoes else ()))
+                   for i, job in enumerate(jobs)]  # fmt: skip
+        for job in jobs:
+            worker.submit(job)
+        extra = {"ignored": body.ignored(), "notes": notes}
+        if not body.stream:
+            async with watching(request, jobs):
+                for reply in replies:
+                    async for _ in reply.batches():
+                        pass
+            records = [reply.record for reply in replies]
+            failed = next((r for r in records if r.finish == "error"), None)
+            if failed:
+                raise APIError(500, f"the engine failed: {failed.error}", code="engine_error")
+            timers = records[0].extension() if len(records) == 1 else {"prompts": [r.extension() for r in records]}
+            choices = [choice(kind, r.index, r.echo + r.text.reply, r.record.finish,
+                              await asyncio.to_thread(logprobs, kind, r), final=True) for r in replies]  # fmt: skip
+            return JSONResponse({**head(kind, jobs[0]), "object": "chat.completion" if kind == "chat" else
+                                 "text_completion", "choices": choices, "usage": usage(records),
+                                 "decodebench": {**timers, **extra}})  # fmt: skip
 
         async def chunks() -> AsyncIterator[str]:
-            obj_chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            done = False
-            try:
+            top = {**head(kind, jobs[0]), "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+            async with watching(request, jobs):
                 if kind == "chat":
-                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    yield sse({**head(kind, job), "object": obj_chunk, "choices": [first]})
-                async for event in events(job, request):
-                    if isinstance(event, Finished):
-                        final = {**head(kind, job), "object": obj_chunk, "decodebench": event.extension(),
-                                 "choices": [choice(kind, "", event.finish, final=False)]}  # fmt: skip
-                        if event.finish == "error":
-                            final["error"] = {"message": event.error, "type": "server_error"}
-                        yield sse(final)
-                        if include_usage:
-                            yield sse({**head(kind, job), "object": obj_chunk, "choices": [], "usage": usage(event)})
-                        yield "data: [DONE]\n\n"
-                        done = True
-                    else:  # one chunk per batch the engine read, with its token count
-                        yield sse({**head(kind, job), "object": obj_chunk, "decodebench": {"tokens": len(event)},
-                                   "choices": [choice(kind, detok.push(event), None, final=False)]})  # fmt: skip
-            finally:
-                if not done:  # the client went away (or the server stops): cancel at the next batch
-                    job.cancel.set()
+                    yield sse({**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None}]})  # fmt: skip
+                for reply in replies:
+                    if reply.echo:  # the prompt, before any token
+                        yield sse({**top, "decodebench": {"tokens": 0},
+                                   "choices": [choice(kind, reply.index, reply.echo, None, None, False)]})  # fmt: skip
+                    async for delta, count in reply.batches():  # one chunk per batch the engine read
+                        yield sse({**top, "decodebench": {"tokens": count},
+                                   "choices": [choice(kind, reply.index, delta, None, None, False)]})  # fmt: skip
+                    record = reply.record
+                    last = choice(kind, reply.index, reply.text.visible(final=True), record.finish,
+                                  await asyncio.to_thread(logprobs, kind, reply), False)  # fmt: skip
+                    final = {**top, "decodebench": {**record.extension(), **extra}, "choices": [last]}
+                    if record.finish == "error":
+                        final["error"] = {"message": record.error, "type": "server_error"}
+                    yield sse(final)
+                if body.include_usage:
+                    yield sse({**top, "choices": [], "usage": usage([reply.record for reply in replies])})
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        ids = chat_ids(served.tokenizer, [m.model_dump() for m in body.messages])
-        budget = admit(body.model, ids, body.max_completion_tokens or body.max_tokens)
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await complete("chat", request, ids, budget, body.stream, include)
+        check_model(body.model)
+        notes = body.notes()
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        if not served.developer_role and any(m["role"] == "developer" for m in messages):
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+            notes["developer"] = "the chat template names no developer role: developer messages were read as system"
+        ids = await asyncio.to_thread(chat_ids, served.tokenizer, messages)
+        return await complete("chat", request, body, [ids], notes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ids = text_ids(served.tokenizer, body.prompt)
-        budget = admit(body.model, ids, body.max_tokens)
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return await complete("text", request, ids, budget, body.stream, include)
+        check_model(body.model)
+        if body.echo and body.logprobs is not None and not opened.cls.scores_prompt:
+            raise APIError(400, f"echo with logprobs needs the prompt's log-probabilities, and engine {opened.name} "
+                           "cannot read a prompt's logits at every position (engines that can: "
+                           f"{', '.join(scorers)}); ask for echo or logprobs alone", param="echo",
+                           code="unsupported_value")  # fmt: skip
+        for i, prompt in enumerate(body.prompt):
+            outside = [t for t in prompt if not 0 <= t < served.vocab_size] if isinstance(prompt, list) else []
+            if outside:
+                raise APIError(400, f"prompt[{i}]: token ids {outside[:5]} are outside the vocabulary "
+                               f"[0, {served.vocab_size})", param=f"prompt[{i}]", code="invalid_value")  # fmt: skip
+
+        def encode() -> tuple[list[list[int]], list[tuple[str, list[int]]] | None]:
+            """Each prompt's ids (token ids as given; text as BOS + its tokens) and, with echo, its text."""
+            prompts = [p if isinstance(p, list) else text_ids(served.tokenizer, p) for p in body.prompt]
+            echoes = [whole_text(served.tokenizer, served.eos_ids, ids) for ids in prompts] if body.echo else None
+            return prompts, echoes
+
+        prompts, echoes = await asyncio.to_thread(encode)
+        return await complete("text", request, body, prompts, body.notes(), echoes)
+
+    def card() -> dict[str, Any]:
+        return {"id": served.model_id, "object": "model", "created": 0, "owned_by": "decodebench"}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
-                                            "owned_by": "decodebench"}]}  # fmt: skip
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return card()
 
     @app.get("/v1/engine")
     async def engine_info() -> dict[str, Any]:

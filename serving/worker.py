@@ -7,17 +7,22 @@ no thread of its own: ``serve_until`` runs on whichever thread built the engine 
 unsendable: PyO3 refuses every other thread), the server's main thread or a benchmark cell's.
 
 Streaming and cancelling go through the engines' one hook, ``generate(on_tokens=...)``: each batch
-of tokens read to the host (every ``read_every`` tokens) is cut after the first EOS id and handed to
-the job; the hook returns False, and the decode stops after that batch, once EOS was read
-(``finish="stop"``) or the client has gone (``finish="cancelled"``, counted as a cancel).
+of tokens read to the host (every ``read_every`` tokens) is cut after the token that ends the reply
+(the job's ``StopRule``: an EOS id, a stop string) and handed to the job; the hook returns False, and
+the decode stops after that batch, once the reply ended (``finish="stop"``) or the client has gone
+(``finish="cancelled"``, counted as a cancel). Only a job with stop strings decodes text here (on
+this thread, between batches, inside the engine's ``decode_s``); any other is cut on its ids alone.
 
 Timers: ``read_s`` and ``decode_s`` are the engine's own (``engines.base``; None for an engine that
 cannot split a call); ``queue_s`` is from ``submit`` to the engine taking the job, wall clock.
+Log-probabilities, when a job asks for them, come from the logits ``generate`` returns (and, for an
+echoed prompt, from ``Engine.prompt_logits``), computed after the call: outside its timers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 import time
@@ -29,7 +34,8 @@ from uuid import uuid4
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engines.base import Engine
+from engines.base import Engine, Generation
+from serving.text import Scores, StopRule, TextStream
 
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -61,12 +67,17 @@ class Metrics:
 
 @dataclass
 class Job:
-    """One request for the engine: the prompt ids, the token budget, and where its events go."""
+    """One prompt for the engine: its ids, the token budget, where the reply ends (``rule``), how many
+    alternatives per position its log-probabilities carry (``logprobs``; None: none asked), whether the
+    prompt is scored too (``score_prompt``, an echo), and where its events go."""
 
     prompt_ids: list[int]
     max_tokens: int
     endpoint: str
     loop: asyncio.AbstractEventLoop
+    rule: StopRule
+    logprobs: int | None = None
+    score_prompt: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid4().hex[:24])
@@ -81,8 +92,10 @@ class Job:
 class Finished:
     """The server's own record of one request (the last event of its job).
 
-    ``completion_tokens``: tokens sent to the client, an EOS that stopped it included; ``engine_tokens``:
-    tokens the engine made in ``decode_s`` (more when a batch ran past EOS or a cancel).
+    ``completion_tokens``: tokens sent to the client, the one that ended the reply (an EOS, the end of a
+    stop string) included; ``engine_tokens``: tokens the engine made in ``decode_s`` (more when a batch
+    ran past the end or a cancel); ``scores`` and ``prompt_scores`` (the prompt's tokens after its
+    first): log-probabilities when the job asked for them and the decode was not cancelled.
     """
 
     id: str
@@ -99,6 +112,8 @@ class Finished:
     thread: str
     read_every: int
     error: str | None = None
+    scores: Scores | None = None
+    prompt_scores: Scores | None = None
 
     @property
     def engine_tok_s(self) -> float | None:
@@ -121,7 +136,6 @@ class EngineWorker:
 
     def __init__(self, engine: Engine, metrics: Metrics, read_every: int, keep: int = 256) -> None:
         self.engine, self.metrics, self.read_every = engine, metrics, read_every
-        self.eos = set(engine.eos_ids)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.records: deque[Finished] = deque(maxlen=keep)
         self.busy = False
@@ -156,13 +170,14 @@ class EngineWorker:
         started = time.perf_counter()
         sent: list[int] = []
         finish = "cancelled" if job.cancel.is_set() else "length"
+        ends = self.ending(job)
 
         def on_tokens(batch: list[int]) -> bool:
             nonlocal finish
             if job.cancel.is_set():
                 finish = "cancelled"
                 return False
-            stop = next((i for i, t in enumerate(batch) if t in self.eos), None)
+            stop = next((i for i, t in enumerate(batch) if ends(t)), None)
             kept = batch if stop is None else batch[: stop + 1]
             sent.extend(kept)
             job.send(kept)
@@ -172,12 +187,15 @@ class EngineWorker:
             return True
 
         read_s = decode_s = None
-        made, error = 0, None
+        made, error, scores = 0, None, {}
         if finish != "cancelled":  # a client that left while queued costs no decode
             try:
                 with self.engine.reading_every(self.read_every):
-                    gen = self.engine.generate(job.prompt_ids, job.max_tokens, on_tokens=on_tokens)
+                    gen = self.engine.generate(job.prompt_ids, job.max_tokens, on_tokens=on_tokens,
+                                               return_logits=job.logprobs is not None)  # fmt: skip
                 read_s, decode_s, made = gen.read_s, gen.decode_s, len(gen.tokens)
+                if finish != "cancelled":
+                    scores = self.score(job, gen, sent)
             except Exception as exc:  # the server keeps serving; the client gets the reason
                 finish, error = "error", f"{type(exc).__name__}: {exc}"
         return Finished(
@@ -195,7 +213,27 @@ class EngineWorker:
             thread=threading.current_thread().name,
             read_every=self.read_every,
             error=error,
+            **scores,
         )
+
+    def ending(self, job: Job) -> Callable[[int], bool]:
+        """Whether each next token ends the job's reply: its stop rule over the text when it has stop
+        strings (decoded here), else over the ids alone (no text decoded on the engine's thread)."""
+        if job.rule.stops:
+            return TextStream(self.engine.tokenizer, job.rule).push
+        count = itertools.count(1)
+        return lambda token: job.rule.at_eos(token, next(count))
+
+    def score(self, job: Job, gen: Generation, sent: list[int]) -> dict[str, Scores]:
+        """The ``Finished`` fields the job asked for: the sent tokens' scores from the call's logits, and
+        the prompt's from its logits at every position (row i predicts token i + 1)."""
+        if job.logprobs is None:
+            return {}
+        scores = {"scores": Scores.of(gen.logits[: len(sent)], sent, job.logprobs)}
+        if job.score_prompt:
+            ids = job.prompt_ids
+            scores["prompt_scores"] = Scores.of(self.engine.prompt_logits(ids)[:-1], ids[1:], job.logprobs)
+        return scores
 
     def account(self, record: Finished) -> None:
         """The record into the metrics and the recent-records list."""

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -56,19 +58,19 @@ def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine
     return engine
 
 
-@pytest.fixture(scope="module")
-def server(cache_dir, tiny):
-    """A ring engine (eager backend) built, warmed and served on its own thread; the app on another."""
+@contextmanager
+def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, Any]]:
+    """An engine (read every token) built, warmed and served on its own thread; the app on another."""
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
-        ring = load(cache_dir, "ring", 1, "engine.backend=eager")
-        ring.engine.generate([2, 3, 4], 3)  # warm-up
-        paced = Paced(ring.engine)
+        built = load(cache_dir, engine, 1, *extra)
+        built.engine.generate([2, 3, 4], 3)  # warm-up
+        paced = Paced(built.engine)
         state.update(
-            opened=ring,
+            opened=built,
             paced=paced,
-            served=describe_engine(ring, MODEL, 0.0, 0.0, 1),
+            served=describe_engine(built, MODEL, 0.0, 0.0, 1),
             worker=EngineWorker(paced, Metrics(), read_every=1),
         )
         ready.set()
@@ -82,6 +84,13 @@ def server(cache_dir, tiny):
         yield state
     stop.set()
     thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tiny):
+    """A ring engine (eager backend) built, warmed and served on its own thread; the app on another."""
+    with serving_engine(cache_dir, "ring", "engine.backend=eager") as state:
+        yield state
 
 
 @pytest.fixture
