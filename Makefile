@@ -13,7 +13,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare
+.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -74,12 +74,14 @@ compare: setup
 # (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason.
 WAYS ?= $(shell cd conf/way && ls */*.yaml | sed 's/\.yaml$$//' | paste -sd, -)
 REPRODUCE_MODEL ?= tiny
+# The noise floor: every cell twice, the copies interleaved (replica is the first axis); NOISE= turns it off.
+NOISE ?= replica=0,1
 reproduce: setup
-	$(BIN)/python run.py -m hydra/launcher=isolated "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
+	$(BIN)/python run.py -m hydra/launcher=isolated $(NOISE) "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
 	$(MAKE) --no-print-directory report
 
 sweep: setup
-	$(BIN)/python run.py -m engine=$(ENGINES) model=e2b-synthetic max_new_tokens=16 repeats=1 sweep=$(SWEEP)
+	$(BIN)/python run.py -m $(NOISE) engine=$(ENGINES) model=e2b-synthetic max_new_tokens=16 repeats=3 sweep=$(SWEEP)
 
 # The suite on every core (pytest-xdist), each test module on one worker so module fixtures are built once.
 test: setup
@@ -96,6 +98,12 @@ bench-int4: setup
 SERVE_ARGS ?= engine=ring model=tiny
 serve: setup
 	$(BIN)/python serve.py $(SERVE_ARGS)
+
+# The laptop shim (serving/shim.py) on 127.0.0.1:8015: every request passed through to a server, its chat page at /.
+# SHIM_ARGS="--queued-resource decodebench-v5e1 --project P" finds the TPU VM's address with gcloud.
+SHIM_ARGS ?= --upstream http://127.0.0.1:8000
+shim: setup
+	$(BIN)/python -m serving.shim $(SHIM_ARGS)
 
 # Evidence from other machines (a shared folder, a mounted bucket) merged into evidence/runs/.
 collect: setup

@@ -1,6 +1,8 @@
 """``python3 boot_stage.py ...``: one stage of a machine's boot as an evidence file of kind ``boot``
 (``evidence/boot.schema.json``), written by ``startup.sh`` when the stage ends; prints the stage's one
-line, which the startup script also writes to the VM's guest attributes.
+line, which the startup script also writes to the VM's guest attributes. A stage's own figures
+(``--measurement KEY=NUMBER``: the weights stage's ``fetch_s`` and ``bytes``, the serving stage's ``load_s``
+and ``warmup_s`` read from the server's ``/v1/engine``) go under ``measurements``.
 
 Standard library only, any Python 3.8+: the first stages run before the project's own Python exists.
 Times are wall-clock seconds from ``date +%s.%N`` taken by the startup script around the stage.
@@ -69,6 +71,7 @@ def record(args: argparse.Namespace) -> dict:
         "dry_run": args.dry_run,
         "detail": "; ".join(part for part in args.detail.splitlines() if part.strip()) or None,
         "platform": platform.platform(),
+        **({"measurements": dict(args.measurement)} if args.measurement else {}),
     }
 
 
@@ -86,9 +89,24 @@ def write(data: dict, folder: Path) -> Path:
 
 
 def line(data: dict) -> str:
-    """The stage in one line (the guest attribute's value)."""
-    found = " ".join(f"{k}={v}" for k, v in data["versions"].items() if v and k != "rustc")
-    return f"{data['status']} {data['seconds']:.1f}s (at {data['since_boot_s']:.1f}s) {found}".strip()
+    """The stage in one line (the guest attribute's value): status, seconds, seconds since boot, then the
+    stage's measurements and the versions installed so far."""
+    parts = [f"{data['status']} {data['seconds']:.1f}s (at {data['since_boot_s']:.1f}s)"]
+    parts += [f"{k}={v:.10g}" for k, v in data.get("measurements", {}).items()]
+    parts += [f"{k}={v}" for k, v in data["versions"].items() if v and k != "rustc"]
+    return " ".join(parts)
+
+
+def measurement(text: str) -> tuple[str, float]:
+    """``KEY=NUMBER``: a figure the stage measured (the server's ``load_s=6.83``)."""
+    key, _, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if not key or number is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=NUMBER")
+    return key, number
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--boot-start", type=float, required=True, help="epoch seconds")
     parser.add_argument("--python", default=None, help="the project's Python, once it exists")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--measurement", type=measurement, action="append", default=[], help="KEY=NUMBER")
     args = parser.parse_args(argv)
     data = record(args)
     write(data, args.folder)
