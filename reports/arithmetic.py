@@ -171,16 +171,18 @@ JAX_GAP_PUBLISHED = ("jax_vs_best_torch_nb03", "jax_w4a16_vs_best_torch_nb03", "
 
 
 def jax_gap(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> list[Entry]:
-    """Each JAX row against the fastest PyTorch way on the same device, checkpoint, context, dtype, N and
-    environment, measured in a sweep the JAX row was measured in (a ratio from one run: machines of one kind
-    differ), with the interval from both sides' samples in that sweep; the Rust engine is neither. The
-    articles' 14.8x / 11.7x / 2.6x are ``JAX_GAP_PUBLISHED``."""
+    """Each JAX row against the fastest PyTorch way with the same weights (``engine.weights``: dense against
+    dense, int4 against int4, as the articles compare JAX bf16 with bf16 PyTorch ways and JAX w4a16 apart) on
+    the same device, checkpoint, context, dtype, N and environment, measured in a sweep the JAX row was
+    measured in (a ratio from one run: machines of one kind differ), with the interval from both sides'
+    samples in that sweep; the Rust engine is neither. The articles' 14.8x / 11.7x / 2.6x are
+    ``JAX_GAP_PUBLISHED``."""
     entries: list[Entry] = []
     if decode.empty:
         return entries
     for _, group in decode[decode.read_every == 0].groupby(JAX_GAP_GROUP, sort=True, dropna=False):
-        torch_ways = group[~group.engine.isin(["jax", "rust"])]
         for _, peer in group[group.engine == "jax"].iterrows():
+            torch_ways = group[~group.engine.isin(["jax", "rust"]) & (group.weights == peer.weights)]
             shared = [s for s in peer.by_sweep if any(s in w for w in torch_ways.by_sweep)]
             if not shared:
                 continue
@@ -192,8 +194,9 @@ def jax_gap(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> lis
             entries.append(
                 Entry(
                     key=f"jax-vs-fastest-pytorch/{peer.key}",
-                    what=f"JAX engine ({peer.weights} weights) decode rate as a multiple of the fastest "
-                    f"PyTorch way ({fastest.engine}), same device, checkpoint, context and N, both from sweep {sweep}",
+                    what=f"JAX engine ({peer.weights} weights) decode rate as a multiple of the fastest PyTorch way "
+                    f"with {peer.weights} weights ({fastest.engine}), same device, checkpoint, context and N, both "
+                    f"from sweep {sweep}",
                     formula="jax_tok_s / fastest_pytorch_tok_s",
                     inputs=[
                         _sweep_rate_input("jax_tok_s", jax_run, sweep),

@@ -18,6 +18,7 @@ import pandas as pd
 from decodebench.evidence import Record, Samples
 from decodebench.stats import median_interval
 from reports import uncertainty
+from reports.like_for_like import row_view, same_method
 from reports.published import Published, span
 
 ARTICLE = "torchtpu-colab"
@@ -261,12 +262,17 @@ def memory_rows(r: Record, printed: Printed) -> pd.DataFrame:
     ).fillna("–")
 
 
+SAME_METHOD = "same method as the article's row"
+
+
 def wrapper_rows(decode: pd.DataFrame, printed: Printed) -> pd.DataFrame:
-    """The compiled step's graphs and breaks with the wrappers on and off (Step 8), beside the article's rows."""
-    columns = ["way", "model", "device", "decode tok/s", "verdict", "graphs / breaks", PUBLISHED]
+    """The compiled step's graphs and breaks with the wrappers on and off (Step 8), beside the article's rows,
+    and whether the row's method key is the article row's (``reports.method``: else the fields that differ)."""
+    columns = ["way", "model", "device", "decode tok/s", "verdict", "graphs / breaks", PUBLISHED, SAME_METHOD]
+    ways = {True: "compiled_wrappers", False: "compiled"}
     article = {
         on: f"{printed(f'nb04_{way}_tok_s')} tok/s, {printed(f'nb04_{way}_graphs', f'nb04_{way}_breaks', sep=' / ')}"
-        for on, way in ((True, "compiled_wrappers"), (False, "compiled"))
+        for on, way in ways.items()
     }
     if decode.empty:
         return pd.DataFrame(columns=columns)
@@ -282,6 +288,7 @@ def wrapper_rows(decode: pd.DataFrame, printed: Printed) -> pd.DataFrame:
                 "verdict": d.verdict,
                 "graphs / breaks": "–" if pd.isna(d.graphs) else f"{int(d.graphs)} / {int(d.graph_breaks)}",
                 PUBLISHED: article[on],
+                SAME_METHOD: same_method(row_view(d).key, printed.figures[f"nb04_{ways[on]}_tok_s"]),
             }
         )
     return pd.DataFrame(rows, columns=columns)

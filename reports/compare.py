@@ -38,7 +38,7 @@ JOIN = [c for c in GROUP if c not in ("fingerprint", "device_name")]  # the same
 REGRESSION = "REGRESSION"
 SHOWN_KEY = {"engine": "engine", "engine_config": "engine config", "model": "model", "device": "device",
              "context": "context", "dtype": "dtype", "max_new_tokens": "N", "read_every": "read every",
-             "prompt_tokens": "prompt", "replica": "replica"}  # fmt: skip
+             "prompt_tokens": "prompt", "way": "way", "replica": "replica"}  # fmt: skip
 ENVIRONMENT = ("fingerprint", "cpu_model", "device_name", "git_sha")  # compared as they are; flags and packages apart
 
 

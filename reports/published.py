@@ -9,6 +9,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from reports import method as method_key
+
 FIGURE_COLUMNS = [
     "id",
     "table",
@@ -25,6 +27,10 @@ FIGURE_COLUMNS = [
     "unit",
     "source",
     "note",
+    "method",  # the figure's method key (reports/method.py): what it pairs with
+    "inferred",  # key field -> the article's sentence the field was inferred from
+    "unknown",  # key field -> why the article leaves it open
+    "definition",  # how the article computed the figure, when not as its metric's default (method.DEFINITIONS)
 ]
 PRINTED = ("value", "min", "max")  # each also kept as printed, e.g. "3.00", in printed_<field>
 
@@ -58,6 +64,7 @@ def load(folder: Path) -> Published:
                 raise PublishedDataError(f"{path}: figure {row.get('id', '?')} lacks {', '.join(missing)}")
             if row.get("value") is None and (row.get("min") is None or row.get("max") is None):
                 raise PublishedDataError(f"{path}: figure {row['id']} has neither a value nor a min-max range")
+            _check_method(path, row)
         frame = pd.DataFrame(rows, columns=FIGURE_COLUMNS)
         printed = _printed_scalars(path)
         for column in PRINTED:
@@ -91,6 +98,19 @@ def _printed_scalars(path: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def _check_method(path: Path, row: dict[str, Any]) -> None:
+    """A figure's method key, its sentences and its definition must follow ``reports.method``."""
+    if row.get("method") is None:
+        if row.get("inferred") or row.get("unknown"):
+            raise PublishedDataError(f"{path}: figure {row['id']} names inferred or unknown fields but has no method")
+        return
+    problems = method_key.check_published(row["method"], row.get("inferred") or {}, row.get("unknown") or {})
+    if row.get("definition") not in (None, *method_key.DEFINITIONS):
+        problems.append(f"definition {row['definition']!r} is none of {', '.join(method_key.DEFINITIONS)}")
+    if problems:
+        raise PublishedDataError(f"{path}: figure {row['id']}: {'; '.join(problems)}")
+
+
 def _present(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and pd.isna(value))
 
@@ -100,39 +120,6 @@ def span(row: pd.Series) -> str:
     if _present(row["value"]):
         return row.get("printed_value") or str(row["value"])
     return f"{row.get('printed_min') or row['min']} to {row.get('printed_max') or row['max']}"
-
-
-def twin(checkpoint: Any) -> str | None:
-    """Which twin a checkpoint is: ``emb4`` (int4 vocabulary tables) or ``ct-text``; None when unstated."""
-    if not _present(checkpoint) or not checkpoint:
-        return None
-    return "emb4" if str(checkpoint).endswith("-emb4") or "(-emb4)" in str(checkpoint) else "ct-text"
-
-
-def comparator(
-    figures: pd.DataFrame, engine: str, context: int, checkpoint_twin: str | None, wrappers_on: bool = False
-) -> str:
-    """The published decode rate to set beside a measured cell: same engine (and, for ``compiled``, its
-    wrappers on or off), the same twin where the article says which, and the nearest published
-    context, labelled; "–" when no figure matches."""
-    rates = figures[(figures.metric == "decode_tok_s") & (figures.engine == engine)].copy()
-    rates = rates[rates.way.fillna("").str.contains("wrappers on") == wrappers_on]
-    if rates.empty:
-        return "–"
-    rates["twin"] = rates.checkpoint.map(twin)
-    same_twin = rates[rates.twin == checkpoint_twin]
-    rates = same_twin if not same_twin.empty else rates
-    rates["distance"] = [abs(c - context) if _present(c) else float("inf") for c in rates.context]
-    rates["headline"] = ~rates.table.fillna("").str.contains("Headline")
-    best = rates.sort_values(["distance", "headline", "id"]).iloc[0]
-    if not _present(best.context):
-        where = "context not stated (short prompt)"
-    elif int(best.context) == context:
-        where = f"context {int(best.context)}"
-    else:
-        where = f"nearest published context {int(best.context)}"
-    mismatch = "" if best.twin == checkpoint_twin else f", checkpoint {best.twin or 'not stated'}"
-    return f"{span(best)} ({where}{mismatch}; {best.article}: {best.table})"
 
 
 RECALL_COLUMNS = ["prompt_tokens", "read_s", "read_tok_s", "decode_tok_s", "answer_code", "found", "record",

@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from reports import arithmetic, article_tables, noise, plots, uncertainty, verdicts
+from reports import arithmetic, article_tables, definitions, like_for_like, method, noise, plots, uncertainty, verdicts
 from reports import published as published_data
 from reports.tables.bench import bench_table
 from reports.tables.boot import boot_runs
@@ -29,8 +29,12 @@ from reports.tables.sweeps import sweeps_table
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # the report's frame and its sections that are no one table's
 TABLES = Path(__file__).resolve().parent / "tables"  # each table's template beside its builder
-BOOT_METRICS = ("boot_s", "crate_build_s")  # published boot figures shown beside a measured boot timeline
+# Published boot figures shown beside a measured boot timeline: the boot, the crate's build, and the
+# service's load and warm-up read from its /v1/engine.
+BOOT_FIGURES = ("boot_s", "crate_build_s")
+BOOT_IDS = ("rig_load_s", "rig_warmup_s")
 CHAT_PNG = "chat.png"  # the chat page's screenshot beside the report
+SERVED_FIGURE = "req_median_decode_tok_s"  # the Rust article's served rate: its key is the served row's
 
 
 @dataclass
@@ -117,9 +121,15 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     too_long = recall.reason.fillna("").str.contains("does not fit context")
     figures = pub.all_figures()
     serving = serve_table(ev.records)
+    views = [
+        *like_for_like.decode_views(every_row),
+        *like_for_like.serve_views(ev.records, judged),
+        *like_for_like.recall_views(recall, cells, judged),
+    ]
     text = env.get_template("REPORT.md.j2").render(
         serving=serving,
         serve_published=published_data.serving_row(figures),
+        serve_same_method=lambda key: like_for_like.same_method(key, figures.set_index("id").loc[SERVED_FIGURE]),
         chat_screenshot=chat_screenshot(serving, evidence_dir, report.parent),
         cells=cells,
         decode=arithmetic.with_derived_columns(decode, measured),
@@ -137,7 +147,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         synthetic=bool(cells.synthetic.any()),
         sweeps=sweeps_table(cells),
         boot=boot_runs(ev.boot),
-        published_boot=figures[figures.metric.isin(BOOT_METRICS)],
+        published_boot=figures[figures.metric.isin(BOOT_FIGURES) | figures.id.isin(BOOT_IDS)],
         warnings=ev.warnings,
         costs=[e for e in measured if e.key.startswith("usd-per-mtok/") and e.result is not None],
         jax_gap={e.row[1]: e for e in measured if e.key.startswith("jax-vs-fastest-pytorch/")},
@@ -149,13 +159,25 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         published_recall=published_data.recall_table(figures),
         bench=bench_table(evidence_dir.parent / "bench"),
         why=article_tables.build(ev.records, every_row, pub),
-        comparator=lambda row: published_data.comparator(
-            figures,
-            row.engine,
-            int(row.context),
-            published_data.twin(row.tables),
-            wrappers_on="remove_wrappers=False" in row.engine_config,
-        ),
+        published_rate=lambda row: like_for_like.published_rate(like_for_like.row_view(row), figures),
+        no_pair=like_for_like.NO_PAIR,
+        no_way=like_for_like.NO_WAY,
+        coverage=like_for_like.coverage(figures, views, cells, judged),
+        pairs=like_for_like.pairs(views, figures),
+        definitions=method.DEFINITIONS,
+        table4_effect=definitions.table4_effect(every_row),
+        table4_published=definitions.stated(recomputed, *definitions.TABLE4_EFFECT),
+        read_speed=definitions.read_speed(recall, cells),
+        read_speed_published=definitions.stated(recomputed, *definitions.READ_SPEED),
+        first_token=definitions.first_token_kl(ev.records),
+        first_token_published=definitions.printed(figures, *definitions.FIRST_TOKEN),
+        sequence=definitions.sequence_kl(ev.records),
+        sequence_published=definitions.printed(figures, *definitions.SEQUENCE),
+        identity=definitions.token_identity(cells),
+        identity_published={
+            c: tuple(definitions.printed(figures, *ids).values()) for c, ids in definitions.IDENTITY.items()
+        },
+        nb02=definitions.n_over_warm_n(views, figures),
         plots=[p for p in made if p],
         arithmetic_path=arithmetic_out.resolve().relative_to(REPO).as_posix()
         if arithmetic_out.resolve().is_relative_to(REPO)

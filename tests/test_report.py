@@ -324,19 +324,6 @@ def test_published_loader_rejects_bad_entries(tmp_path):
         published.load(tmp_path)
 
 
-def test_comparator_matches_engine_context_and_twin():
-    figures = published.load(PUBLISHED).all_figures()
-    ring_256 = published.comparator(figures, "ring", 256, "ct-text")
-    assert ring_256.startswith("45.2") and "nearest published context 33024" in ring_256
-    assert published.comparator(figures, "ring", 131328, "emb4").startswith("38.6 to 38.7 (context 131328;")
-    table4 = published.comparator(figures, "table4", 256, "emb4")
-    assert table4.startswith("50.2 to 50.4 (context 256;")
-    compiled = published.comparator(figures, "compiled", 256, "ct-text")
-    assert compiled.startswith("31.3 to 33.4 (context 256;") and "45.1" not in compiled
-    assert published.comparator(figures, "static", 256, "ct-text").startswith("4.2 to 4.5 (context 256;")
-    assert published.comparator(figures, "no-such-engine", 256, "ct-text") == "–"
-
-
 def test_the_rust_articles_compile_row_is_not_assigned_to_an_engine():
     figures = published.load(PUBLISHED).all_figures().set_index("id")
     for fid in ("cmp_torch_compile_batched_tok_s", "cmp_torch_compile_streamed_tok_s"):

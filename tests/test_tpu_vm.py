@@ -129,7 +129,7 @@ def test_the_startup_script_boots_into_a_live_server_in_a_dry_run(tmp_path, caps
         out = render.build(folder.parents[1], REPO / "evidence" / "published", tmp_path / "R.md", tmp_path / "a.txt")
         report = out.report.read_text()
         assert f"### {host}, sweep dry — dry run" in report
-        assert "| 10 | serving | ok |" in report and "from the start of *python* to the end of *smoke*" in report
+        assert "| 10 | serving | ok |" in report and "from the start of *python* to the start of *serving*" in report
         assert "4 minutes 29 seconds" in report  # the published boot beside it
     finally:
         if pid is not None:

@@ -17,9 +17,11 @@ import jsonschema
 import pandas as pd
 
 from decodebench import evidence
+from reports import method
 
 # The settings that make two cells the same measurement; cells sharing them pool their raw samples. Cells of
-# different environments (``fingerprint``), A/A copies (``replica``) and prompts are never pooled.
+# different environments (``fingerprint``), A/A copies (``replica``), prompts and ways (``config.way``, the
+# article row a cell names) are never pooled.
 GROUP = [
     "experiment",
     "engine",
@@ -34,13 +36,15 @@ GROUP = [
     "read_every",
     "max_new_tokens",
     "prompt_tokens",
+    "prompt",
+    "way",
     "fingerprint",
     "replica",
 ]
 
 DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
 BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
-                "started_utc", "versions", "dry_run", "detail"]  # fmt: skip
+                "started_utc", "versions", "dry_run", "detail", "measurements"]  # fmt: skip
 
 
 @dataclass
@@ -118,11 +122,17 @@ _COLUMNS = [
     *GROUP,
     "decode_values",
     "phase_values",
+    "streamed_values",
+    "warm_1_values",
+    "warm_n_values",
+    "method",
+    "generated_ids",
     "first_call_s",
     "load_s",
     "weight_bytes",
     "cache_bytes",
     "memory_after_load",
+    "memory_with_cache",
     "memory_peak",
     "memory_counter",
     "graphs",
@@ -175,11 +185,18 @@ def parity_bounds(cfg: dict[str, Any]) -> str | None:
     return f"{cfg['dtype']}: {tokens}KL mean <= {mean} nats, max <= {most}"
 
 
+def _values(r: evidence.Record, name: str) -> list[float]:
+    """A measurement's raw samples; none when it was not measured."""
+    m = r.measurements.get(name)
+    return list(m.values) if isinstance(m, evidence.Samples) else []
+
+
 def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     """One cell file as a row. ``weights``: how the engine holds its linears (``engine.weights``, dense or
     int4); ``tables``: the checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
-    measurement's earlier name ``new_tokens`` the same way. ``replica`` (the A/A copy) is 0 where the
+    measurement's earlier name ``new_tokens`` the same way; ``method``: the cell's method key
+    (``reports.method.of_record``). ``replica`` (the A/A copy) is 0 where the
     config has none; ``checks`` (``outputs.checks``) and ``contention`` (``environment.contention``) are
     None in evidence written before the experiments recorded them."""
     r = evidence.Record.from_json(data)
@@ -208,16 +225,22 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "fingerprint": fingerprint(env),
         "replica": int(cfg.get("replica", 0)),
         "prompt_tokens": r.value("prompt_tokens"),
+        "prompt": cfg.get("prompt"),
+        "way": cfg.get("way"),
         "max_new_tokens": r.value("max_new_tokens" if "max_new_tokens" in r.measurements else "new_tokens"),
-        "decode_values": list(r.measurements["decode_tok_s"].values) if "decode_tok_s" in r.measurements else [],
-        "phase_values": list(r.measurements["decode_phase_tok_s"].values)
-        if "decode_phase_tok_s" in r.measurements
-        else [],
+        "decode_values": _values(r, "decode_tok_s"),
+        "phase_values": _values(r, "decode_phase_tok_s"),
+        "streamed_values": _values(r, "decode_streamed_tok_s"),
+        "warm_1_values": _values(r, "warm_1_s"),
+        "warm_n_values": _values(r, "warm_n_s"),
+        "method": method.of_record(r),
+        "generated_ids": r.outputs.get("generated_ids"),
         "first_call_s": r.value("first_call_s"),
         "load_s": r.value("load_s"),
         "weight_bytes": r.value("weight_bytes_from_shape"),
         "cache_bytes": r.value("cache_bytes_from_shape"),
         "memory_after_load": r.value("memory_after_load"),
+        "memory_with_cache": r.value("memory_with_cache"),
         "memory_peak": None if peak is None else peak.bytes,
         "memory_counter": None if peak is None else peak.counter,
         "graphs": r.engine.get("graphs"),

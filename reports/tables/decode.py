@@ -2,9 +2,11 @@
 ``templates/jax.md.j2``; plotted by ``reports.plots``): one row per measurement group (``cells.GROUP``:
 settings, prompt, environment fingerprint and A/A replica), the raw decode samples of its VALID cells
 pooled, never averaged: their median with its 95% interval and n (``decode``), min and max, and each
-sweep's own in ``by_sweep``. A group without a VALID cell is still a row (``verdict`` INVALID, pooled over
-all its cells, so that ``reports.compare`` can show it); the report's headline shows VALID rows only and
-names every cell it left out (``left_out``).
+sweep's own in ``by_sweep``; beside them the other figures an article prints for a way (the streamed rate
+measured inside the cell, warm 1- and N-token call seconds, N over the warm N-token call, memory with the
+cache) and the group's method key (``reports.method``). A group without a VALID cell is still a row
+(``verdict`` INVALID, pooled over all its cells, so that ``reports.compare`` can show it); the report's
+headline shows VALID rows only and names every cell it left out (``left_out``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ DECODE_COLUMNS = ["decode", "decode_values", "decode_median", "decode_low", "dec
                   "n", "phase", "phase_median", "first_call", "first_call_s", "load", "load_s", "files", "sweeps",
                   "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak",
                   "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour", "price_note", "bandwidth_gb_s",
-                  "bandwidth_note", "bandwidth_source", "hardware", "tables", "weights"]  # fmt: skip
+                  "bandwidth_note", "bandwidth_source", "hardware", "tables", "weights", "streamed", "streamed_values",
+                  "warm_1", "warm_n", "n_over_warm_n", "memory_with_cache", "method"]  # fmt: skip
 
 
 def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
@@ -38,6 +41,7 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
         decode = sampled(values)
         phase = sampled(_pooled(used.phase_values))
         first_call, load = sampled(used.first_call_s.dropna().tolist()), sampled(used.load_s.dropna().tolist())
+        streamed, warm_n, n = _pooled(used.streamed_values), _pooled(used.warm_n_values), _n_of(used)
         last = used.iloc[-1]
         price, price_note = _agreed(used, "price_usd_per_hour", "USD/h")
         bandwidth, bandwidth_note = _bandwidth(used)
@@ -78,6 +82,13 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
                 "hardware": ", ".join(sorted({str(h) for h in used.hardware.dropna()})) or None,
                 "tables": last.tables,
                 "weights": last.weights,
+                "streamed": sampled(streamed),
+                "streamed_values": streamed,
+                "warm_1": sampled(_pooled(used.warm_1_values)),
+                "warm_n": sampled(warm_n),
+                "n_over_warm_n": sampled([n / t for t in warm_n]) if n else None,
+                "memory_with_cache": last.memory_with_cache,
+                "method": last.method,
             }
         )
     if not rows:  # no decode cell: the columns still exist, so templates can filter the empty table
@@ -86,6 +97,12 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
     table["key"] = table.apply(_key, axis=1)
     table["label"] = table.apply(_label, axis=1)
     return table
+
+
+def _n_of(cells: pd.DataFrame) -> float | None:
+    """N of a group's cells (they share it); None in evidence that did not record it."""
+    n = cells.max_new_tokens.iloc[-1]
+    return None if pd.isna(n) else n
 
 
 def _pooled(lists: pd.Series) -> list[float]:
@@ -125,9 +142,10 @@ def _key(row: pd.Series) -> str:
     engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
     replica = f"/replica={row.replica}" if row.replica else ""
     prompt = "" if pd.isna(row.prompt_tokens) else f"/P={int(row.prompt_tokens)}"
+    way = f"/way={row.way}" if isinstance(row.way, str) else ""
     return (
         f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}{prompt}/{row['dtype']}/N={_count(row.max_new_tokens)}"
-        f"/read_every={row.read_every}{engine}/env={row.fingerprint}{replica}"
+        f"/read_every={row.read_every}{engine}{way}/env={row.fingerprint}{replica}"
     )
 
 
@@ -142,8 +160,9 @@ def _label(row: pd.Series) -> str:
     backend = next((p for p in row.engine_config.split() if p.startswith("backend=")), "")
     backend = f", {backend}" if backend else ""
     replica = f", replica {row.replica}" if row.replica else ""
+    way = f", way {row.way}" if isinstance(row.way, str) else ""
     where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}"
-    return f"{row.engine} ({where}{stream}{backend}{replica}, env {row.fingerprint})"
+    return f"{row.engine} ({where}{stream}{backend}{way}{replica}, env {row.fingerprint})"
 
 
 def left_out(table: pd.DataFrame) -> pd.DataFrame:

@@ -28,8 +28,8 @@ def rate_column(method: str | None) -> str | None:
 
 def recall_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """One row per recall prompt of every ok cell (article 003, Step 11 shape); the prompt read (``read`` s,
-    ``read_rate`` tok/s) and the decode rate, in ``decode_timer`` or ``decode_pair`` by its method, each the
-    median of the cell's repeats with its 95% interval and n."""
+    ``read_rate`` tok/s, its repeats in ``read_values``) and the decode rate, in ``decode_timer`` or
+    ``decode_pair`` by its method, each the median of the cell's repeats with its 95% interval and n."""
     rows = []
     for file, r in sorted(records.items()):
         for item in r["outputs"].get("recall", []) if r["status"] == "ok" else []:
@@ -49,9 +49,11 @@ def recall_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     [item["prompt_tokens"] / v for v in reads] if reads and item.get("prompt_tokens") else None
                 ),
                 "read_rate": sampled(reads),
+                "read_values": reads,
             }
             rows.append({**cell, **{k: item.get(k) for k in RECALL_FIELDS}, **measured})
-    columns = ["file", "engine", "model", "device", "context", *RECALL_FIELDS, *RATE_METHODS, "read", "read_rate"]
+    columns = ["file", "engine", "model", "device", "context", *RECALL_FIELDS, *RATE_METHODS, "read", "read_rate",
+               "read_values"]  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
 
 

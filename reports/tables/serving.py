@@ -7,12 +7,13 @@ from typing import Any
 import pandas as pd
 
 from decodebench import evidence
+from reports import method
 from reports.uncertainty import ratio, sampled
 
 SERVE_COLUMNS = ["file", "engine", "model", "synthetic", "device", "context", "read_every", "requests", "tokens",
                  "finish", "read", "decode", "engine_tok", "client", "request_rate", "streams", "ttft", "client_tok",
                  "itl_p50", "itl_p90", "itl_p99", "tpot", "e2el", "bare", "served_over_bare", "client_over_bare",
-                 "cancel_before", "cancel_after", "cancel_idle_s", "screenshot"]  # fmt: skip
+                 "cancel_before", "cancel_after", "cancel_idle_s", "screenshot", "method"]  # fmt: skip
 SAMPLED = {
     "read": "served_read_s",
     "decode": "served_decode_s",
@@ -33,7 +34,7 @@ RATIOS = {"served_over_bare": ("served_engine_tok_s", ("bare_served_length_tok_s
 def serve_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """One row per ok ``serve`` cell: the three parts' figures, each made of samples as its median with its
     95% interval and n; the server's cost over the bare engine as ratios of medians, their intervals from
-    both sides' samples; the chat page's screenshot if taken."""
+    both sides' samples; the chat page's screenshot if taken; the cell's method key (``reports.method``)."""
     rows = []
     for file, data in sorted(records.items()):
         if data["status"] != "ok" or data["config"]["experiment"]["name"] != "serve":
@@ -66,6 +67,7 @@ def serve_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 "cancel_after": r.value("cancel_counter_after"),
                 "cancel_idle_s": r.value("cancel_idle_s"),
                 "screenshot": shot.get("file") if shot.get("status") == "ok" else None,
+                "method": method.of_record(r),
             }
         )
     return pd.DataFrame(rows, columns=SERVE_COLUMNS)
