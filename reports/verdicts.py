@@ -67,18 +67,20 @@ def judge(
     """Every cell's verdict by file. ``parity_pool``: the cells searched for a passing parity check (default
     ``cells``; ``reports.compare`` passes both sides and the repository's evidence)."""
     pool = cells if parity_pool is None else parity_pool
-    passed = pool[(pool.status == "ok") & (pool.experiment == "parity") & (pool.parity_verdict == "pass")]
-    return {row.file: _judge(row, records.get(row.file, {}), passed) for _, row in cells.iterrows()}
+    checked = pool[(pool.status == "ok") & (pool.experiment == "parity")]
+    return {row.file: _judge(row, records.get(row.file, {}), checked) for _, row in cells.iterrows()}
 
 
-def _judge(cell: pd.Series, record: dict[str, Any], passed: pd.DataFrame) -> Verdict:
+def _judge(cell: pd.Series, record: dict[str, Any], checked: pd.DataFrame) -> Verdict:
     if cell.status != "ok":
         return Verdict(cell.file, FAILED if cell.status == "failed" else SKIPPED, (cell.reason or "",))
     timers = record.get("timers") or {}
     timed = not timers or any(text != UNTIMED for text in timers.values())
     findings = [*_checks(cell), _contention(cell.contention) if timed else (None, None)]
+    if cell.experiment == "parity" and cell.parity_verdict == "fail":  # a parity check that failed is no pass
+        findings.append((f"parity failed ({cell.parity_bounds})", None))
     if cell.experiment in DECODE_EXPERIMENTS:
-        findings += [_parity(cell, passed), _ceiling(cell, record.get("model") or {})]
+        findings += [_parity(cell, checked), _ceiling(cell, record.get("model") or {})]
     broken = tuple(b for b, _ in findings if b)
     return Verdict(cell.file, INVALID if broken else VALID, broken, tuple(n for _, n in findings if n))
 
@@ -102,12 +104,17 @@ def _contention(block: Any) -> Finding:
             f"(threshold {block.get('threshold_cores', float('nan')):.2f}{load_text})"), None  # fmt: skip
 
 
-def _parity(cell: pd.Series, passed: pd.DataFrame) -> Finding:
-    """Rule (c): a note naming the passing parity check (the same sweep's first), else broken."""
-    same = passed
+def _parity(cell: pd.Series, checked: pd.DataFrame) -> Finding:
+    """Rule (c): a note naming the passing parity check (the same sweep's first); broken when none passed,
+    naming a check of the same engine, settings, checkpoint and dtype that failed."""
+    matching = checked
     for column in PARITY_KEY:
-        same = same[same[column] == cell[column]]
+        matching = matching[matching[column] == cell[column]]
+    same = matching[matching.parity_verdict == "pass"]
     if same.empty:
+        failed = matching.sort_values("file")
+        if not failed.empty:
+            return f"its parity check failed ({failed.iloc[-1].parity_bounds}: `{failed.iloc[-1].file}`)", None
         return NO_PARITY, None
     here = same[same.sweep == cell.sweep]
     found = (here if not here.empty else same).sort_values("file").iloc[-1]

@@ -675,3 +675,13 @@ def test_arithmetic_writes_out_every_figure_of_a_valid_row(tmp_path):
     # 1 USD/h / (rate x 3600 s/h) x 1e6 at the rate's median 50.5 and its bounds 51 and 50
     assert "result:  5.50 USD/Mtok [5.45, 5.56] n=2" in arith
     assert "| 5.50 [5.45, 5.56] n=2 |" in result.report.read_text()
+
+
+def test_a_failed_parity_check_is_named_and_never_counts_as_a_pass(tmp_path):
+    write(tmp_path, cell_record("ring", experiment="parity", verdict="fail"), cell_record("ring"))
+    _, every, _ = judged(tmp_path)
+    got = by_engine(every)
+    assert got["ring-parity-bfloat16"].text() == "INVALID: parity failed (bfloat16: KL mean <= 0.001 nats, max <= 0.01)"
+    decode = got["ring-decode-bfloat16"].text()
+    assert decode.startswith("INVALID: its parity check failed (bfloat16: KL mean <= 0.001 nats, max <= 0.01: `")
+    assert "ring-parity-bfloat16.json`)" in decode and verdicts.NO_PARITY not in decode
