@@ -23,7 +23,8 @@ from engines.open import open_engine
 from experiments.cell import timed
 from experiments.common import quiet
 from runner import register_configs, typed_config
-from serving.server import create_app, describe_engine, running
+from serving.listen import running
+from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 
 register_configs()

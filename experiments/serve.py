@@ -53,7 +53,8 @@ from experiments.cell import Cell, MethodError
 from experiments.common import Result
 from experiments.decode import Pairs, warm_pairs
 from serving import browser
-from serving.server import create_app, describe_engine, running
+from serving.listen import running
+from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 
 PERCENTILES = (50, 90, 99)

@@ -29,18 +29,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -55,11 +53,13 @@ from decodebench.prompts import chat_ids, template_names, text_ids
 from engines import ENGINES
 from engines.open import OpenEngine
 from serving.api import ChatRequest, CompletionRequest, where
+from serving.listen import running
 from serving.text import StopRule, TextStream, TokenText, whole_text
 from serving.worker import EngineWorker, Finished, Job
 
+__all__ = ["create_app", "describe_engine", "running"]  # running: re-exported, callers start the app with it
+
 CHAT_PAGE = Path(__file__).resolve().parent / "chat.html"
-STARTUP_S = 30.0  # how long ``running`` waits for uvicorn to listen
 RECENT = 16  # decodes the Retry-After estimate looks back on
 Body = ChatRequest | CompletionRequest
 
@@ -410,27 +410,3 @@ def create_app(
         return CHAT_PAGE.read_text()
 
     return app
-
-
-@contextmanager
-def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """uvicorn on a thread of its own (port 0: a free one); yields the base URL once it listens."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="decodebench-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
-        time.sleep(0.01)
-    bound = sock.getsockname()[1]
-    try:
-        yield f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()

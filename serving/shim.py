@@ -21,27 +21,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+
+from serving import listen
 
 HOST, PORT, UPSTREAM_PORT = "127.0.0.1", 8015, 8000
 LOOKUP_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 5.0
 DISCONNECT_POLL_S = 0.25
-STARTUP_S = 30.0
+
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx and uvicorn set for themselves.
 DROPPED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
            "transfer-encoding", "upgrade", "host", "content-length"}  # fmt: skip
@@ -218,27 +217,9 @@ def create_shim(upstream: Upstream, read_timeout_s: float = 600.0) -> FastAPI:
     return app
 
 
-@contextmanager
-def running(app: FastAPI, host: str = HOST, port: int = 0) -> Iterator[str]:
-    """uvicorn on a thread of its own (port 0: a free one); yields the base URL once it listens."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="decodebench-shim", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError(f"the shim did not start on {host}:{port}")
-        time.sleep(0.01)
-    try:
-        yield f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+def running(app: FastAPI, host: str = HOST, port: int = 0) -> AbstractContextManager[str]:
+    """The shim on a thread of its own (port 0: a free one), its lifespan on; yields the base URL."""
+    return listen.running(app, host, port, name="decodebench-shim", lifespan="on")
 
 
 def upstream_from(args: argparse.Namespace) -> Upstream:

@@ -27,7 +27,8 @@ from engines.open import OpenEngine
 from reports import render
 from runner import run_cell
 from serving import browser
-from serving.server import create_app, describe_engine, running
+from serving.listen import running
+from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 from tests.conftest import REPO, opened
 

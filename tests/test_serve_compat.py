@@ -25,7 +25,8 @@ import torch
 from decodebench.config import ServeConfig
 from decodebench.prompts import chat_ids, text_ids
 from engines.rust_engine import RustEngine
-from serving.server import create_app, running
+from serving.listen import running
+from serving.server import create_app
 from serving.text import StopRule, TextStream
 from tests.conftest import REPO
 from tests.test_serve import MODEL, chat, metrics, serving_engine, wait_until

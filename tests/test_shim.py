@@ -24,29 +24,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import browser, shim
-from serving.server import create_app, describe_engine, running
+from serving.listen import running
+from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 from tests.conftest import REPO, opened
+from tests.test_serve import Paced
 
 MODEL = "tiny"
 START_S = 240  # a server's load and warm-up on this machine's shared cores
-
-
-class Paced:
-    """The engine with a pause after each streamed batch, so a test can act while it decodes."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.pause_s = engine, 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def generate(self, ids: list[int], n: int, *, on_tokens: Any = None, **kwargs: Any) -> Any:
-        def paced(batch: list[int]) -> bool:
-            time.sleep(self.pause_s)
-            return on_tokens(batch)
-
-        return self.engine.generate(ids, n, on_tokens=paced if on_tokens else None, **kwargs)
 
 
 @contextmanager
