@@ -135,9 +135,12 @@ def stack() -> dict[str, Any]:
 
 def fingerprint(env: dict[str, Any]) -> str:
     """The environment class of a figure: CPU model and flags, usable cores, device, Python, the stack and
-    its packages."""
+    its packages. A CPU is named by its model and flags, not by the label each framework gives its CPU
+    device (torch's and JAX's cells on one CPU are one class)."""
     keys = ("cpu_model", "cpu_flags", "device_kind", "device_name", "python", "stack", "packages")
     key = {k: env.get(k) for k in keys}
+    if env.get("device_kind") == "cpu":
+        key["device_name"] = None
     key["cores"] = (env.get("threads") or {}).get("usable_cores")
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 

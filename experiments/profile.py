@@ -138,13 +138,13 @@ def attribute(events: Any, shapes: dict[tuple[int, int], dict[str, int]]) -> dic
     return out
 
 
-def profiled(cell: Cell, ids: list[int], n: int, trace: Path | None) -> dict[str, float]:
-    """One warm ``n``-token call under the profiler: self seconds by class."""
+def profiled(cell: Cell, ids: list[int], n: int, shapes: dict, trace: Path | None) -> dict[str, float]:
+    """One warm ``n``-token call under the profiler: self seconds by class (``shapes``: ``linear_shapes``)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         cell.call(ids, n)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    return attribute(prof.key_averages(group_by_input_shape=True), linear_shapes(profiled_model(cell)))
+    return attribute(prof.key_averages(group_by_input_shape=True), shapes)
 
 
 def profiled_model(cell: Cell) -> torch.nn.Module:
@@ -174,9 +174,10 @@ def run(cell: Cell) -> Result:
     estimates: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json" if cfg.experiment.trace else None
+        shapes = linear_shapes(profiled_model(cell))
         for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
-            one = profiled(cell, ids, 1, None)
-            many = profiled(cell, ids, n, raw if repeat == 0 else None)
+            one = profiled(cell, ids, 1, shapes, None)
+            many = profiled(cell, ids, n, shapes, raw if repeat == 0 else None)
             for c in CLASSES[:-1]:
                 estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
         if raw is not None:

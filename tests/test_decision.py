@@ -107,3 +107,10 @@ def test_an_aa_copy_is_a_cell_of_its_own(cell_cfg, tiny):
     assert first["cell"] != second["cell"] and first["config_hash"] != second["config_hash"]
     bad = run_cell(cell_cfg(*CHEAP, "replica=-1"))
     assert bad["status"] == "failed" and "replica=-1 must be at least 0" in bad["reason"]
+
+
+def test_torch_and_jax_cells_on_one_cpu_are_one_environment_class():
+    pytest.importorskip("jax")
+    torch_cpu, jax_cpu = resolve_device("cpu"), resolve_device("cpu", "jax")
+    assert torch_cpu.name != jax_cpu.name, "the frameworks label the same CPU differently"
+    assert environment.capture(torch_cpu)["fingerprint"] == environment.capture(jax_cpu)["fingerprint"]

@@ -102,13 +102,13 @@ def client(server):
 
 def metrics(url: str) -> dict[str, float]:
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
-def wait_until(condition, timeout_s: float = 20.0) -> None:
+def wait_until(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"

@@ -21,14 +21,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving import browser, shim
 from serving.listen import running
 from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 from tests.conftest import REPO, opened
-from tests.test_serve import Paced
+from tests.test_serve import Paced, chat, metrics, wait_until
 
 MODEL = "tiny"
 START_S = 240  # a server's load and warm-up on this machine's shared cores
@@ -67,25 +66,6 @@ def server(cache_dir, tiny):
     with local_server(cache_dir) as state, shim.running(shim.create_shim(shim.Upstream(url=state["url"]))) as local:
         state["shim"] = local
         yield state
-
-
-def metrics(url: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def chat(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
 
 
 def client_for(url: str, timeout: float = 120) -> openai.OpenAI:
