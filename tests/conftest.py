@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# One intra-op thread per test process (and each process a test starts): pytest-xdist already puts a worker
+# on every core, so a second thread each only contends. Tests check methods, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -61,3 +66,12 @@ def cell_cfg(cache_dir: Path, tmp_path: Path):
 def _single_thread_determinism():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with the most ``slow`` tests first (stable otherwise): pytest-xdist hands whole modules to its
+    workers in this order, so the long ones start at once instead of one worker finishing them alone."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])

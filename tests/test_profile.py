@@ -18,7 +18,7 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
     if engine == "rust":
         pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
     settings = ("engine.backend=eager",) if engine == "ring" else ()
-    record = run_cell(cell_cfg(f"engine={engine}", *settings, "experiment=profile", "max_new_tokens=16", "repeats=2"))
+    record = run_cell(cell_cfg(f"engine={engine}", *settings, "experiment=profile", "max_new_tokens=4", "repeats=2"))
     assert record["status"] == "ok", record["reason"]
     classes = {c["class"]: c for c in record["outputs"]["classes"]}
     assert list(classes) == list(CLASSES)

@@ -46,7 +46,7 @@ def evidence_dir(tmp_path_factory, cache_dir, tiny) -> Path:
         ["engine=generate"],
         ["engine=ring", "engine.backend=eager"],
         ["engine=fuse"],
-        ["engine=ring", "engine.backend=eager", "experiment=parity", "max_new_tokens=6"],
+        ["engine=generate", "experiment=parity", "max_new_tokens=6"],
         ["engine=generate", "experiment=parity-bf16"],
         ["engine=ring", "engine.backend=eager", "experiment=parity-bf16"],
     ):

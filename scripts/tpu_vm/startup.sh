@@ -192,8 +192,9 @@ stage_python() {
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   if layered; then
-    local purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
-    "$DECODEBENCH_LAYER_VENV/bin/python" -c "$purelib" >"$("$VENV/bin/python" -c "$purelib")/_decodebench_layer.pth"
+    local purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])' layer
+    layer=$("$DECODEBENCH_LAYER_VENV/bin/python" -c "$purelib")  # a site dir: its own .pth files count too
+    echo "import site; site.addsitedir('$layer')" >"$("$VENV/bin/python" -c "$purelib")/_decodebench_layer.pth"
     ln -sf "$DECODEBENCH_LAYER_VENV/bin/maturin" "$VENV/bin/maturin"
     detail "dry run: venv layered on $DECODEBENCH_LAYER_VENV's packages"
   else
@@ -227,7 +228,12 @@ stage_rust() {
 stage_crate() {
   cd "$CODE"
   local built
-  built=$("$VENV/bin/python" scripts/build_rust.py --venv "$VENV")
+  if layered; then  # the layer's interpreter: a new venv's path would make cargo rebuild pyo3 and the crate
+    built=$("$DECODEBENCH_LAYER_VENV/bin/python" scripts/build_rust.py --venv "$DECODEBENCH_LAYER_VENV")
+    detail "dry run: built into $DECODEBENCH_LAYER_VENV, which the venv is layered on"
+  else
+    built=$("$VENV/bin/python" scripts/build_rust.py --venv "$VENV")
+  fi
   detail "$built"
   detail "$("$VENV/bin/python" -c 'import decodebench_rs; print("decodebench_rs", decodebench_rs.BUILD)')"
 }
