@@ -71,13 +71,16 @@ compare: setup
 	$(BIN)/python -m reports.compare "$(A)" "$(B)" $(if $(THRESHOLD),--threshold $(THRESHOLD)) $(if $(OUT),--out $(OUT))
 
 # Every row of both articles as it was run (conf/way/<article>/<row>.yaml), each cell in its own process
-# (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason.
+# (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason. Then
+# each distinct engine setting's bf16 parity check (scripts/way_checks.py), so that its rows can be VALID.
 WAYS ?= $(shell cd conf/way && ls */*.yaml | sed 's/\.yaml$$//' | paste -sd, -)
 REPRODUCE_MODEL ?= tiny
 # The noise floor: every cell twice, the copies interleaved (replica is the first axis); NOISE= turns it off.
 NOISE ?= replica=0,1
 reproduce: setup
 	$(BIN)/python run.py -m hydra/launcher=isolated $(NOISE) "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
+	$(BIN)/python run.py -m hydra/launcher=isolated "way=$$($(BIN)/python scripts/way_checks.py $(WAYS))" experiment=parity-bf16 \
+	  model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
 	$(MAKE) --no-print-directory report
 
 sweep: setup

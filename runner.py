@@ -78,13 +78,28 @@ def way_settings(way: str) -> dict[str, Any]:
     return settings
 
 
+def way_checks(ways: list[str]) -> list[str]:
+    """One way for each distinct engine and engine settings among ``ways`` (the first, in the order given): the
+    ways whose parity checks cover them all (a check covers every cell of its engine, settings, model and dtype)."""
+    first: dict[str, str] = {}
+    for way in ways:
+        engine = {k: v for k, v in way_settings(way).items() if k.startswith("engine.")}
+        first.setdefault(repr(sorted(engine.items())), way)
+    return list(first.values())
+
+
 def check_way(run: RunConfig) -> None:
     """A cell named for an article's way runs that way: every value the way sets must still hold (a command
-    line may add settings the way leaves open, such as the model, never change one it sets)."""
+    line may add settings the way leaves open, such as the model, never change one it sets). The one change
+    allowed is the way's parity check: ``experiment=parity`` or ``parity-bf16`` in place of the way's experiment
+    and its settings (its engine, settings, context and N kept)."""
     if run.way is None:
         return
+    check = run.experiment.name == "parity"
     changed = []
     for key, value in way_settings(run.way).items():
+        if check and key.startswith("experiment."):
+            continue
         have: Any = run
         for part in key.split("."):
             have = getattr(have, part)

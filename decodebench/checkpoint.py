@@ -323,7 +323,7 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
 
 
 def load_transformers(
-    ckpt: Checkpoint, dtype: torch.dtype, device_map: str | None, *, mapped: bool = True
+    ckpt: Checkpoint, dtype: torch.dtype, device_map: str | None, *, mapped: bool = True, dequantize: bool = False
 ) -> tuple[Gemma4ForCausalLM, dict[str, Any]]:
     """Transformers' own loading path (its compressed-tensors integration), the way the Colab article
     loads the repack; returns the model and Transformers' loading info (missing and unexpected keys).
@@ -331,12 +331,15 @@ def load_transformers(
     The text config gets the checkpoint's ``quantization_config`` with its ``ignore`` list in the text
     model's names (shared/notes section 4). ``mapped``: the stored multimodal names are renamed with
     ``KEY_MAPPING``; without it none of them match. ``device_map=None`` leaves the model on the host.
-    Weights are dequantized by Transformers and compressed-tensors, not by us.
+    Weights are dequantized by Transformers and compressed-tensors, not by us: by default the linears stay
+    packed at load and are unpacked at the first forward (and kept so); ``dequantize``: unpacked at load
+    (compressed-tensors' ``dequantize=True``).
     """
     config = Gemma4TextConfig.from_dict(ckpt.config.to_dict())
     if ckpt.quantization:
         quantization = json.loads(json.dumps(ckpt.quantization))
         quantization["ignore"] = [re.sub(r"^model\.language_model\.", "model.", i) for i in quantization["ignore"]]
+        quantization["dequantize"] = dequantize
         config.quantization_config = quantization
     return Gemma4ForCausalLM.from_pretrained(
         str(ckpt.path),
@@ -348,9 +351,11 @@ def load_transformers(
     )
 
 
-def load_reference(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
+def load_reference(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, *, dequantize: bool = False
+) -> Gemma4ForCausalLM:
     """``load_transformers`` onto ``device`` with the key mapping; any weight left uninitialised is an error."""
-    model, info = load_transformers(ckpt, dtype, str(device))
+    model, info = load_transformers(ckpt, dtype, str(device), dequantize=dequantize)
     if info["missing_keys"]:
         raise CheckpointError(
             f"reference load of {ckpt.path} left weights uninitialised: {sorted(info['missing_keys'])[:8]}"

@@ -8,21 +8,25 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import CompileConfig, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from decodebench.checkpoint import load_model, load_reference
-from decodebench.config import EngineConfig
+from decodebench.config import ConfigError, EngineConfig
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from engines.base import Engine, Generation, OnTokens
+from engines.stepping import compile_backend, graph_counts
 
 
 class Loader(StrEnum):
     """Who builds the model: decodebench's loader (dequantized by us, plain modules), or Transformers' own
-    compressed-tensors path, as the articles' ``generate`` rows loaded the repack."""
+    compressed-tensors path, as the articles' ``generate`` rows loaded the repack: ``transformers`` keeps the
+    linears packed at load and unpacks them at the first forward (its default, notebook 02's "compressed");
+    ``transformers_dense`` unpacks them at load (compressed-tensors' ``dequantize=True``)."""
 
     decodebench = "decodebench"
     transformers = "transformers"
+    transformers_dense = "transformers_dense"
 
 
 @dataclass
@@ -39,9 +43,22 @@ class FuseEngineConfig(GenerateEngineConfig):
 
 @dataclass
 class StaticEngineConfig(GenerateEngineConfig):
-    """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only)."""
+    """``generate`` over Transformers' StaticCache; ``mode=fuse`` runs it under defer-and-fuse (TPU only).
+
+    ``compile``: generate compiles the model's forward over the fixed buffer itself (Transformers' own
+    ``CompileConfig``, on any device; notebook 02's "buffer"), with ``backend`` (``auto``: tpu on a TPU,
+    inductor elsewhere). Off, generate never compiles (strict eager), on a TPU too, where Transformers
+    would compile a static-cache generate by default.
+    """
 
     mode: EagerMode = EagerMode.eager
+    compile: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.compile and self.mode == EagerMode.fuse:
+            raise ConfigError("engine.compile=true with engine.mode=fuse: generate compiles its forward or runs it "
+                              "under defer-and-fuse, not both")  # fmt: skip
 
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
@@ -81,9 +98,11 @@ def greedy_generate(
     return_logits: bool = False,
     cache: Any = None,
     on_tokens: OnTokens | None = None,
+    compile_config: CompileConfig | None = None,
 ) -> Generation:
     """Transformers ``generate``: greedy, exactly ``max_new_tokens`` (no EOS stop, so every call does the
-    same work), on the model's device; logits [n, V] float32 on the host when asked.
+    same work), on the model's device; logits [n, V] float32 on the host when asked. ``compile_config``:
+    generate compiles the forward as it says (a compilable cache needed); None: it never compiles.
 
     ``eos_token_id=[]``, not None: generate fills every None field from the model's own generation
     config, whose EOS list would then stop the call early. ``on_tokens`` (see ``engines.base``) goes in
@@ -98,6 +117,8 @@ def greedy_generate(
         bos_token_id=model.config.bos_token_id,
         output_logits=return_logits,
         return_dict_in_generate=True,
+        disable_compile=compile_config is None,
+        compile_config=compile_config,
     )
     streamer = Streamer(on_tokens) if on_tokens is not None else None
     out = model.generate(
@@ -122,13 +143,18 @@ class GenerateEngine(Engine):
 
     def load(self) -> None:
         device = self.ctx.device.torch_device
-        if self.ctx.engine_cfg.loader == Loader.transformers:
-            self.model = load_reference(self.checkpoint, self.ctx.dtype, device)
+        if self.ctx.engine_cfg.loader != Loader.decodebench:
+            dense = self.ctx.engine_cfg.loader == Loader.transformers_dense
+            self.model = load_reference(self.checkpoint, self.ctx.dtype, device, dequantize=dense)
         else:
             self.model, _ = load_model(self.checkpoint, self.ctx.dtype, device)
 
     def cache(self) -> Any:
         """The cache object handed to generate; None lets Transformers make a DynamicCache."""
+        return None
+
+    def compile_config(self) -> CompileConfig | None:
+        """How generate compiles the forward; None: it does not."""
         return None
 
     def describe(self) -> dict[str, Any]:
@@ -162,6 +188,7 @@ class GenerateEngine(Engine):
                 return_logits=return_logits,
                 cache=self.cache(),
                 on_tokens=on_tokens,
+                compile_config=self.compile_config(),
             )
 
 
@@ -191,6 +218,14 @@ class StaticEngine(GenerateEngine):
             device, run_cfg
         )
 
+    def compile_config(self) -> CompileConfig | None:
+        backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) if self.ctx.engine_cfg.compile else None
+        if backend is None:
+            return None
+        config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        config._compile_all_devices = True  # Transformers compiles on accelerators only unless told so
+        return config
+
     def cache(self) -> StaticCache:
         if self._cache is None:
             self._cache = StaticCache(config=self.model.config, max_cache_len=self.ctx.context)
@@ -209,4 +244,6 @@ class StaticEngine(GenerateEngine):
             **super().describe(),
             "cache": f"transformers StaticCache, max_cache_len={self.ctx.context}",
             "mode": self.ctx.engine_cfg.mode,
+            "compile": self.ctx.engine_cfg.compile,
+            **(graph_counts() if self.ctx.engine_cfg.compile else {}),
         }

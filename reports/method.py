@@ -8,9 +8,9 @@ nearest one.
 Fields and where a measured row's value comes from:
 
 * ``engine``: ``config.engine.name``.
-* ``mode``: ``eager``, ``fuse`` or ``compiled``: the engine's ``mode`` setting where it has one (``static``,
-  ``rust``); a compiling engine (one with a ``backend`` setting) is ``compiled`` unless ``backend=none``;
-  otherwise the engine's own (``ENGINE_MODES``).
+* ``mode``: ``eager``, ``fuse`` or ``compiled``: ``compiled`` for ``static`` with ``engine.compile=true``;
+  the engine's ``mode`` setting where it has one (``static``, ``rust``); a compiling engine (one with a
+  ``backend`` setting) is ``compiled`` unless ``backend=none``; otherwise the engine's own (``ENGINE_MODES``).
 * ``kept_4bit``: ``none``, ``per-layer table``, ``all tables`` or ``all linears``, from the evidence's
   ``engine.kept_4bit`` (the tables kept packed, and ``linears`` when every linear is); evidence without it
   (a cell that did not run, older evidence, engines that keep nothing) from the config: ``engine.weights=int4``
@@ -23,7 +23,8 @@ Fields and where a measured row's value comes from:
 * ``context``, ``dtype``, ``max_new_tokens``: the config's.
 * ``twin``: ``ct-text`` or ``emb4``, the checkpoint twin the engine read.
 * ``prompt``: ``{"text": <the run's prompt>, "tokens": <its token count>}``.
-* ``loader``: ``decodebench`` or ``transformers`` (``engine.loader`` in the evidence or the config).
+* ``loader``: ``decodebench``, ``transformers`` (packed at load, unpacked at the first forward) or
+  ``transformers_dense`` (unpacked at load) (``engine.loader`` in the evidence or the config).
 * ``way``: ``config.way``, the article's row the cell names (``conf/way/``), or None.
 
 Equality, field by field (``differences``):
@@ -53,7 +54,7 @@ KEPT_4BIT = ("none", "per-layer table", "all tables", "all linears")
 SERVED = ("bare", "served")
 EXPERIMENTS = ("decode", "recall", "serve")
 TWINS = ("ct-text", "emb4")
-LOADERS = ("decodebench", "transformers")
+LOADERS = ("decodebench", "transformers", "transformers_dense")
 INTEGERS = ("read_every", "context", "max_new_tokens")
 # Each engine's mode where its config does not say (evidence written before the setting existed, or an engine
 # with one mode only): Transformers' generate runs eager, fuse under defer-and-fuse, the stepping engines and
@@ -89,6 +90,8 @@ def kept_4bit(packed: Iterable[str] | None, engine: dict[str, Any]) -> str:
 
 def mode(engine: dict[str, Any]) -> str | None:
     """``eager``, ``fuse`` or ``compiled`` from an engine's config; None for an engine this module does not know."""
+    if engine.get("compile") is True:  # generate compiling its own forward (``static``, ``engine.compile``)
+        return "eager" if engine.get("backend") == "none" else "compiled"
     if engine.get("mode"):
         return str(engine["mode"])
     if "backend" in engine:
@@ -108,6 +111,8 @@ def loader(engine: dict[str, Any], described: dict[str, Any]) -> str:
     """Who built the model: Transformers' own compressed-tensors path or decodebench's loader (every engine
     but those told otherwise: ``engine.loader``, ``compiled`` with ``remove_wrappers=false``)."""
     named = str(described.get("loader") or engine.get("loader") or "")
+    if named in LOADERS:
+        return named
     if named.startswith("transformers") or engine.get("remove_wrappers") is False:
         return "transformers"
     return "decodebench"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from runner import WAYS, check_way, run_cell, typed_config, way_settings
-from tests.conftest import REPO, make_cfg
+from decodebench.config import ConfigError
+from runner import WAYS, check_way, run_cell, typed_config, way_checks, way_settings
+from tests.conftest import REPO, make_cfg, opened
 
 ALL_WAYS = sorted(p.relative_to(WAYS).with_suffix("").as_posix() for p in WAYS.rglob("*.yaml"))
 
@@ -43,12 +44,52 @@ def test_a_way_cell_records_its_way(cell_cfg, tiny):
     assert record["measurements"]["max_new_tokens"]["value"] == 64
 
 
-def test_generate_through_transformers_loading_writes_the_same_tokens(cell_cfg, tiny):
-    ours, theirs = (run_cell(cell_cfg("experiment=decode", "max_new_tokens=6", "repeats=1", f"engine.loader={loader}"))
-                    for loader in ("decodebench", "transformers"))  # fmt: skip
-    assert ours["status"] == theirs["status"] == "ok"
-    assert theirs["engine"]["loader"] == "transformers" and ours["engine"]["loader"] == "decodebench"
-    assert ours["outputs"]["generated_ids"] == theirs["outputs"]["generated_ids"]
+def test_generate_through_transformers_loading_writes_the_same_tokens(cell_cfg, tiny, cache_dir):
+    """decodebench's loader, Transformers' default (linears packed until the first forward: notebook 02's
+    "compressed") and Transformers' dequantize-at-load (notebook 02's "eager"): the same tokens."""
+    loaders = ("decodebench", "transformers", "transformers_dense")
+    records = [run_cell(cell_cfg("experiment=decode", "max_new_tokens=6", "repeats=1", f"engine.loader={loader}"))
+               for loader in loaders]  # fmt: skip
+    assert [r["status"] for r in records] == ["ok"] * 3
+    assert [r["engine"]["loader"] for r in records] == list(loaders)
+    assert records[0]["outputs"]["generated_ids"] == records[1]["outputs"]["generated_ids"]
+    assert records[0]["outputs"]["generated_ids"] == records[2]["outputs"]["generated_ids"]
+    for loader, stored in (("transformers", {"weight_packed", "weight_scale"}), ("transformers_dense", {"weight"})):
+        model = opened(f"cache_dir={cache_dir}", f"engine.loader={loader}").load().model  # before any forward
+        held = {name for name, _ in model.model.layers[0].mlp.gate_proj.named_parameters()}
+        assert stored <= held and ("weight" in held) == (loader == "transformers_dense"), (loader, held)
+
+
+def test_a_ways_parity_check_keeps_its_engine_settings_context_and_n():
+    run = typed_config(make_cfg("way=nb02/buffer", "experiment=parity-bf16"))
+    check_way(run)  # the way's experiment replaced by its check: accepted
+    assert run.experiment.name == "parity" and run.engine.compile and (run.context, run.max_new_tokens) == (256, 32)
+    with pytest.raises(ConfigError, match=r"engine.compile=False \(the way sets True\)"):
+        check_way(typed_config(make_cfg("way=nb02/buffer", "experiment=parity-bf16", "engine.compile=false")))
+
+
+def test_reproduce_checks_each_distinct_engine_setting_once():
+    checks = way_checks(ALL_WAYS)
+    assert "scripts/way_checks.py" in (REPO / "Makefile").read_text() and len(checks) < len(ALL_WAYS)
+    # generate with Transformers' default loading: notebook 02's "compressed", 03's torch_eager, 04's generate
+    assert "nb02/compressed" in checks and "nb03/torch_eager" not in checks and "nb04/generate" not in checks
+    assert "nb02/eager" in checks  # unpacked at load: another setting
+    assert "nb02/buffer" in checks and "nb03/torch_buffer" not in checks  # one static-compiled setting
+    assert [w for w in checks if w.startswith("nb05/")] == ["nb05/recall-131k"]  # one ring setting, four ways
+    for way in ALL_WAYS:  # every way is covered by a check of its engine and settings
+        engine = {k: v for k, v in way_settings(way).items() if k.startswith("engine.")}
+        assert any(engine == {k: v for k, v in way_settings(c).items() if k.startswith("engine.")} for c in checks)
+
+
+def test_the_buffer_ways_check_runs_generate_compiling_its_forward_with_the_wrappers_on(cell_cfg, tiny):
+    """Notebook 02's "buffer": generate over a static cache compiles its own forward (Transformers' CompileConfig,
+    here with the eager backend); its parity check is a cell of the way."""
+    record = run_cell(cell_cfg("way=nb02/buffer", "experiment=parity-bf16", "engine.backend=eager"))
+    assert record["status"] == "ok", record["reason"]
+    assert record["outputs"]["verdict"] == "pass" and record["config"]["way"] == "nb02/buffer"
+    engine = record["engine"]
+    assert engine["compile"] is True and engine["loader"] == "transformers"
+    assert engine["graphs"] > 1 and engine["graph_breaks"] > 0  # the wrappers cut the program (article, Step 7)
 
 
 def test_the_first_token_kl_is_the_rust_articles_definition(cell_cfg, tiny, cache_dir):
