@@ -4,7 +4,8 @@ over one engine, from the command line.
 It composes the same Hydra config as ``run.py`` (plus ``serve.host``, default 127.0.0.1, ``serve.port``,
 ``serve.max_body_bytes`` and ``serve.max_queue``), opens and loads the engine through the one factory
 (``engines.open``) on this, the main, thread, runs one warm-up decode, then serves until Ctrl-C or
-SIGTERM (both stop it the same way: the "stopped" line, the engine closed, exit status 0).
+SIGTERM (both stop it the same way: the "stopped" line, the engine closed, exit status 0). A ring is served
+with the server's own defaults (``serving.defaults``) unless the command line or a way sets them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import signal
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
 from decodebench.config import ConfigError
 from decodebench.device import resolve_device
@@ -23,6 +25,7 @@ from engines.open import open_engine
 from experiments.cell import timed
 from experiments.common import quiet
 from runner import register_configs, typed_config
+from serving.defaults import serving_settings
 from serving.listen import running
 from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
@@ -33,6 +36,9 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C or SIGTERM."""
+    fast = serving_settings(cfg.engine, list(HydraConfig.get().overrides.task), cfg.get("way"))
+    for key, value in fast.items():
+        OmegaConf.update(cfg, key, value)
     try:
         run = typed_config(cfg)
         device = resolve_device(run.device.kind, engine_class(run.engine.name).framework)
@@ -51,7 +57,9 @@ def main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM raises KeyboardInterrupt, as Ctrl-C does
     with running(create_app(served, worker, opened, run.serve), run.serve.host, run.serve.port) as url:
         print(f"decodebench serving {run.engine.name} / {run.model.name} at {url}/v1 (chat page: {url}/); "
-              f"load {load_s:.2f} s, warm-up {warmup_s:.2f} s", flush=True)  # fmt: skip
+              f"load {load_s:.2f} s, warm-up {warmup_s:.2f} s"
+              + (f"; serving defaults {' '.join(f'{k}={v}' for k, v in fast.items())}" if fast else ""),
+              flush=True)  # fmt: skip
         try:
             worker.serve_until(lambda: False)
         except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from engines.base import Engine
 from engines.compiled import CompiledEngine
 from engines.generate import FuseEngine, GenerateEngine, StaticEngine
 from engines.jax_engine import JaxEngine
+from engines.openai_engine import OpenAIEngine
 from engines.ring import RingEngine
 from engines.rust_engine import RustEngine
 from engines.table4 import Table4Engine
@@ -33,6 +34,7 @@ ENGINES: dict[str, type[Engine]] = {
         RingEngine,
         RustEngine,
         JaxEngine,
+        OpenAIEngine,
     )
 }
 

@@ -27,7 +27,9 @@ Request rate and output token throughput are per part: requests (tokens) over th
 engine's rate at the served requests' own length M (their median engine tokens: a request that stops at
 EOS decodes fewer than N, so it is compared with bare calls of M tokens, measured after serving when
 M differs from N), with a 95% interval from both sides' samples; ``client_over_bare`` = median streamed
-``client_tok_s`` / median ``bare_decode_tok_s`` (other prompts and lengths: a rough figure, so stated):
+``client_tok_s`` / median ``bare_decode_tok_s`` (other prompts and lengths: a rough figure, so stated);
+``served_over_bare_ttft`` = median ``served_ttft_s`` (the run's prompt streamed for one token) / median
+``bare_ttft_s`` (the bare warm 1-token calls on that prompt):
 the server's cost over the bare engine in the same cell. A screenshot of the chat page goes beside the
 evidence when a headless chromium is installed (``serving.browser``).
 """
@@ -77,7 +79,9 @@ class ServeExperimentConfig(ExperimentConfig):
     """The Rust article's served measurements through decodebench's OpenAI-compatible server.
 
     (a) ``requests`` non-streamed requests one at a time with the run's prompt at ``max_new_tokens``;
-    (b) each of ``prompts`` streamed once (time to first token, inter-token latency, client tok/s);
+    then the run's prompt streamed ``requests`` times for one token (served TTFT, against the bare warm
+    1-token call: ``served_over_bare_ttft``); (b) each of ``prompts`` streamed once (time to first token,
+    inter-token latency, client tok/s);
     (c) a stream dropped after ``cancel_after`` chunks must move the cancel counter by one and leave
     the engine idle within ``idle_timeout_s`` seconds, else the cell fails. ``screenshot``: a picture of
     the chat page beside the evidence when a headless chromium is installed.
@@ -259,12 +263,13 @@ def clients(cell: Cell, url: str, model: str, worker: EngineWorker, room: int) -
     client = OpenAI(base_url=f"{url}/v1", api_key="decodebench", max_retries=0, timeout=600)
     client.chat.completions.create(model=model, messages=messages(cfg.prompt), max_tokens=n)  # warm
     rows, wall_a = one_at_a_time(client, model, cfg.prompt, exp.requests, n)
+    first = [streamed(client, model, cfg.prompt, 1, worker.read_every)["ttft_s"] for _ in range(exp.requests)]
     start = time.perf_counter()
     streams = [streamed(client, model, text, n, worker.read_every) for text in exp.prompts]
     wall_b = time.perf_counter() - start
     cancelled = cancel(client, url, model, cfg.prompt, room, exp, worker)
-    return {"requests": rows, "wall_a": wall_a, "streams": streams, "wall_b": wall_b, "cancel": cancelled,
-            "screenshot": screenshot(cell, url)}  # fmt: skip
+    return {"requests": rows, "wall_a": wall_a, "first_token_s": first, "streams": streams, "wall_b": wall_b,
+            "cancel": cancelled, "screenshot": screenshot(cell, url)}  # fmt: skip
 
 
 def median(values: list[float | None]) -> float | None:
@@ -307,6 +312,9 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         stream_request_rate_req_s=scalar(len(streams) / out["wall_b"], "req/s", method="(b) requests / wall s"),
         stream_output_tok_s=scalar(sum(s["tokens"] for s in streams) / out["wall_b"], "tok/s", method="(b)"),
         ttft_s=samples([s["ttft_s"] for s in streams], "s", method="send to first token chunk, client"),
+        served_ttft_s=samples(out["first_token_s"], "s", method="the run's prompt streamed for 1 token: send to "
+                              "its chunk, client"),
+        bare_ttft_s=samples(base.warm_1, "s", method="warm 1-token call on the run's prompt, device.sync() around it"),
         e2el_s=samples([s["e2el_s"] for s in streams], "s", method="send to end of stream, client"),
         cancel_counter_before=scalar(out["cancel"]["counter_before"], "count"),
         cancel_counter_after=scalar(out["cancel"]["counter_after"], "count"),
@@ -334,6 +342,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         if kept:  # an engine that cannot split a call has no engine timers
             m[name] = samples(kept, unit, **extra)
     ratios = (("served_over_bare", "served_engine_tok_s", "bare_served_length_tok_s", "the same length"),
+              ("served_over_bare_ttft", "served_ttft_s", "bare_ttft_s", "the same prompt, one token"),
               ("client_over_bare", "client_tok_s", "bare_decode_tok_s", "other prompts and lengths"))  # fmt: skip
     for name, numerator, denominator, compared in ratios:
         if numerator in m and denominator in m:
@@ -357,6 +366,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         bare_served_length_tok_s="as bare_decode_tok_s with N = the served requests' median engine tokens",
         served_engine_tok_s="(engine tokens - 1)/decode_s, the engine's own timer inside the server",
         ttft_s="client: create() to the first token chunk's arrival",
+        served_ttft_s="client: create() to the one token's chunk, the run's prompt",
+        bare_ttft_s="warm_1_s of the bare pairs: the prompt read and the first token",
         itl_s="client: gaps between consecutive tokens (a chunk of k tokens: k tokens at its arrival)",
         e2el_s="client: create() to the end of the stream",
     )

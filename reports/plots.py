@@ -98,3 +98,29 @@ def comparison(table: pd.DataFrame, threshold: float, out: Path) -> str | None:
     fig.savefig(out, **SAVE)
     plt.close(fig)
     return out.name
+
+
+def profile_bars(profile: pd.DataFrame, out: Path) -> str | None:
+    """One stacked bar per profile cell: each class's ms a token; a tick at the floor (all bytes at bandwidth)."""
+    if profile.empty:
+        return None
+    cells = list(dict.fromkeys(profile.file))
+    by_cell = profile.groupby("file", sort=False)
+    labels = [f"{p.engine.iloc[0]} ({p.model.iloc[0]}, {p.device.iloc[0]})" for _, p in by_cell]
+    classes = list(dict.fromkeys(profile["class"]))
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(cells) + 2.2))
+    left = [0.0] * len(cells)
+    colours = plt.get_cmap("tab10")
+    for k, name in enumerate(classes):
+        widths = [float(profile[(profile.file == f) & (profile["class"] == name)].ms_per_token.sum()) for f in cells]
+        ax.barh(labels, widths, left=left, label=name, color=colours(k % 10))
+        left = [a + max(b, 0.0) for a, b in zip(left, widths, strict=True)]
+    floors = [float(profile[profile.file == f].floor_ms.sum()) for f in cells]
+    ax.scatter(floors, labels, marker="|", s=400, color="black", zorder=3, label="floor: bytes at measured bandwidth")
+    ax.set_xlabel("ms a decode token (stacked by class)")
+    ax.set_title("Where each millisecond of a decode step goes (measured)")
+    ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name

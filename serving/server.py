@@ -158,11 +158,11 @@ class Reply:
     echo_offsets: list[int] = field(default_factory=list)
     record: Finished | None = None
 
-    async def batches(self) -> AsyncIterator[tuple[str, int]]:
+    async def batches(self) -> AsyncIterator[tuple[str, list[int]]]:
         """Per batch the engine read: the text a client may see now (decoded off the event loop) and the
-        batch's token count; ``record`` is set once the job's last event comes."""
+        batch's token ids; ``record`` is set once the job's last event comes."""
         while not isinstance(event := await self.job.events.get(), Finished):
-            yield await asyncio.to_thread(self.text.feed, event), len(event)
+            yield await asyncio.to_thread(self.text.feed, event), list(event)
         self.record = event
 
 
@@ -288,12 +288,13 @@ def create_app(
         return tokens.completion(unscored, scores, offsets)
 
     def choice(kind: str, index: int, text: str, finish: str | None, scored: dict[str, Any] | None,
-               final: bool) -> dict[str, Any]:  # fmt: skip
+               final: bool, ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
         if kind == "chat":
             body = {"message": {"role": "assistant", "content": text}} if final else {"delta": {"content": text}}
         else:
             body = {"text": text}
-        return {"index": index, **body, "finish_reason": finish, "logprobs": scored}
+        return {"index": index, **body, "finish_reason": finish, "logprobs": scored,
+                **({"token_ids": ids} if ids is not None else {})}  # fmt: skip
 
     async def complete(kind: str, request: Request, body: Body, prompts: list[list[int]], notes: dict[str, str],
                        echoes: list[tuple[str, list[int]]] | None = None) -> Response:  # fmt: skip
@@ -315,7 +316,8 @@ def create_app(
                 raise APIError(500, f"the engine failed: {failed.error}", code="engine_error")
             timers = records[0].extension() if len(records) == 1 else {"prompts": [r.extension() for r in records]}
             choices = [choice(kind, r.index, r.echo + r.text.reply, r.record.finish,
-                              await asyncio.to_thread(logprobs, kind, r), final=True) for r in replies]  # fmt: skip
+                              await asyncio.to_thread(logprobs, kind, r), final=True,
+                              ids=r.text.tokens if body.return_token_ids else None) for r in replies]  # fmt: skip
             return JSONResponse({**head(kind, jobs[0]), "object": "chat.completion" if kind == "chat" else
                                  "text_completion", "choices": choices, "usage": usage(records),
                                  "decodebench": {**timers, **extra}})  # fmt: skip
@@ -330,9 +332,10 @@ def create_app(
                     if reply.echo:  # the prompt, before any token
                         yield sse({**top, "decodebench": {"tokens": 0},
                                    "choices": [choice(kind, reply.index, reply.echo, None, None, False)]})  # fmt: skip
-                    async for delta, count in reply.batches():  # one chunk per batch the engine read
-                        yield sse({**top, "decodebench": {"tokens": count},
-                                   "choices": [choice(kind, reply.index, delta, None, None, False)]})  # fmt: skip
+                    async for delta, batch in reply.batches():  # one chunk per batch the engine read
+                        ids = batch if body.return_token_ids else None
+                        yield sse({**top, "decodebench": {"tokens": len(batch)},
+                                   "choices": [choice(kind, reply.index, delta, None, None, False, ids)]})  # fmt: skip
                     record = reply.record
                     last = choice(kind, reply.index, reply.text.visible(final=True), record.finish,
                                   await asyncio.to_thread(logprobs, kind, reply), False)  # fmt: skip

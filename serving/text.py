@@ -50,6 +50,7 @@ class TextStream:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, rule: StopRule) -> None:
         self.tokenizer, self.rule = tokenizer, rule
+        self.tokens: list[int] = []  # every id pushed: the reply's tokens (EOS included)
         self.ids: list[int] = []  # the ids that carry text (EOS ids left out)
         self.prefix = self.read = 0  # ids[prefix:read]: the context the next decode starts from
         self.text = ""
@@ -63,6 +64,7 @@ class TextStream:
     def push(self, token: int) -> bool:
         """One token in; True when the reply ends with it (EOS or a stop string, per the rule)."""
         self.count += 1
+        self.tokens.append(token)
         self.offsets.append(len(self.text))
         searched = len(self.text)
         if token not in self.rule.eos:

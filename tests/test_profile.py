@@ -9,6 +9,8 @@ import json
 import pytest
 
 from experiments.profile import CLASSES, WEIGHT_KINDS
+from reports import render
+from reports.tables.profile import profile_table
 from runner import run_cell
 from tests.conftest import REPO, opened
 
@@ -34,6 +36,16 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
     assert not trace.is_relative_to(REPO / "evidence" / "published")
+
+    table = profile_table({record["cell"]: record})  # the report's table: the classes add up to the step
+    assert list(table["class"]) == list(CLASSES) and table.ms_per_token.sum() == pytest.approx(step)
+    bandwidth = record["hardware"]["bandwidth_measurement"]["value"]
+    mlp = table.set_index("class").loc["weights: MLP"]
+    assert mlp.floor_ms == pytest.approx(classes["weights: MLP"]["bytes_per_token"] / (bandwidth * 1e6))
+    out = render.build(tmp_path / "runs", REPO / "evidence" / "published", tmp_path / "r" / "R.md", tmp_path / "a.txt")
+    text = out.report.read_text()
+    assert "## Where each millisecond of a decode step goes" in text and "| weights: MLP |" in text
+    assert (tmp_path / "r" / "profile.png").is_file() and "![where each millisecond goes](profile.png)" in text
 
 
 def test_an_engine_that_does_not_step_is_skipped(cell_cfg, tiny):

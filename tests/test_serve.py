@@ -27,10 +27,11 @@ from engines.open import OpenEngine
 from reports import render
 from runner import run_cell
 from serving import browser
+from serving.defaults import serving_settings
 from serving.listen import running
 from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
-from tests.conftest import REPO, opened
+from tests.conftest import REPO, make_cfg, opened
 
 MODEL = "tiny"
 
@@ -277,7 +278,10 @@ def test_the_cli_serves_until_interrupted(cache_dir, tiny):
         url = line.split(" at ")[1].split("/v1")[0]
         assert url.startswith("http://127.0.0.1:")
         health = httpx.get(f"{url}/health", timeout=10).json()
-        assert health["engine"] == "ring" and httpx.get(f"{url}/v1/engine").json()["warmup_s"] > 0
+        info = httpx.get(f"{url}/v1/engine").json()
+        assert health["engine"] == "ring" and info["warmup_s"] > 0
+        assert (info["layout"]["attend"], info["layout"]["last_piece"]) == ("filled", "exact"), "the server's defaults"
+        assert "serving defaults engine.last_piece=exact engine.attend=filled" in line
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -322,6 +326,10 @@ def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg,
     bare_at_length = m["bare_served_length_tok_s"]["median"]
     assert m["served_over_bare"]["value"] == pytest.approx(client_rows / bare_at_length)
     assert m["bare_decode_tok_s"]["n"] == 1
+    assert m["served_ttft_s"]["n"] == 2 and m["bare_ttft_s"]["n"] == 1  # requests=2, repeats=1
+    assert m["served_over_bare_ttft"]["value"] == pytest.approx(
+        statistics.median(m["served_ttft_s"]["values"]) / m["bare_ttft_s"]["values"][0]
+    )
     assert [r["finish"] for r in out["requests"]] == [r["finish"] for r in out["requests"][:1]] * 2, "greedy"
     assert {s["finish"] for s in out["streams"]} <= {"stop", "length"} and len(out["streams"]) == 2
     assert out["engine_info"]["engine"] == "ring" and out["engine_info"]["load_s"] == m["load_s"]["value"]
@@ -334,8 +342,16 @@ def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg,
     report = tmp_path / "report" / "REPORT.md"
     render.build(tmp_path / "runs", REPO / "evidence" / "published", report, tmp_path / "arithmetic.txt")
     text = report.read_text()
-    assert "## Serving" in text and "| published (article 000) | rust |" in text
+    assert "## Serving" in text and "| published (article 000) | rust |" in text and "TTFT served / bare" in text
     assert "12.20 (12.13 to 12.50)" in text and "0.175 to 0.256" in text and "1 → 2 after 10 chunks" in text
     assert f"`runs/test/{record['cell']}.json` | ring |" in text
     if shot["status"] == "ok":
         assert (report.parent / "chat.png").is_file() and "![chat page](chat.png)" in text
+
+
+def test_the_servers_defaults_apply_where_the_engine_has_them_and_nothing_sets_them():
+    ring, rust = make_cfg("engine=ring").engine, make_cfg("engine=rust").engine
+    assert serving_settings(ring, [], None) == {"engine.last_piece": "exact", "engine.attend": "filled"}
+    assert serving_settings(ring, ["engine.attend=cache"], None) == {"engine.last_piece": "exact"}
+    assert serving_settings(ring, [], "nb05/ring-33k") == {}, "a way is served as the article ran it"
+    assert serving_settings(rust, [], None) == {}  # the Rust engine has neither setting

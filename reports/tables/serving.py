@@ -12,8 +12,9 @@ from reports.uncertainty import ratio, sampled
 
 SERVE_COLUMNS = ["file", "engine", "model", "synthetic", "device", "context", "read_every", "requests", "tokens",
                  "finish", "read", "decode", "engine_tok", "client", "request_rate", "streams", "ttft", "client_tok",
-                 "itl_p50", "itl_p90", "itl_p99", "tpot", "e2el", "bare", "served_over_bare", "client_over_bare",
-                 "cancel_before", "cancel_after", "cancel_idle_s", "screenshot", "method"]  # fmt: skip
+                 "itl_p50", "itl_p90", "itl_p99", "tpot", "e2el", "bare", "served_over_bare", "ttft_served",
+                 "ttft_bare", "ttft_served_over_bare", "client_over_bare", "cancel_before", "cancel_after",
+                 "cancel_idle_s", "screenshot", "method"]  # fmt: skip
 SAMPLED = {
     "read": "served_read_s",
     "decode": "served_decode_s",
@@ -24,10 +25,13 @@ SAMPLED = {
     "tpot": "tpot_s",
     "e2el": "e2el_s",
     "bare": "bare_decode_tok_s",
+    "ttft_served": "served_ttft_s",
+    "ttft_bare": "bare_ttft_s",
 }  # column -> the measurement whose samples it shows
 # The server's cost over the bare engine: column -> (numerator, denominators in order of preference; evidence
 # written before ``bare_served_length_tok_s`` existed compared with ``bare_decode_tok_s``).
 RATIOS = {"served_over_bare": ("served_engine_tok_s", ("bare_served_length_tok_s", "bare_decode_tok_s")),
+          "ttft_served_over_bare": ("served_ttft_s", ("bare_ttft_s",)),
           "client_over_bare": ("client_tok_s", ("bare_decode_tok_s",))}  # fmt: skip
 
 

@@ -1,0 +1,130 @@
+"""``openai``: an OpenAI-compatible endpoint measured as an engine (vLLM, SGLang, JetStream, llama.cpp's server,
+decodebench's own ``serve.py``), by the same experiments as the in-process engines.
+
+* A call is one ``/v1/completions`` request through the official ``openai`` client: the prompt as token ids,
+  greedy (``temperature=0``), exactly ``max_new_tokens`` tokens (``ignore_eos`` and ``min_tokens``, vLLM's
+  fields), the tokens returned as ids (``return_token_ids``, vLLM's field), so the exactly-N rule and token
+  comparisons read ids, never re-encoded text. A reply without ids, or with another count, fails the call.
+* ``on_tokens``: the request streams, each chunk's ids handed to the hook as the chunk arrives; a false return
+  closes the stream (the server cancels the decode).
+* The clock is the client's: a call's seconds include the network and the server's queue. The decode
+  experiment's (N-1)/(T_N - T_1) takes the fixed part out, as for any engine.
+* ``engine.url``: the endpoint's base (``.../v1``); ``engine.model``: its model id (None: the first that
+  ``/v1/models`` lists); ``engine.api_key_env``: the name of an environment variable holding the key, read at
+  load and never written anywhere.
+* The run's ``model=`` gives the tokenizer and the checkpoint's facts (prompt ids, EOS): it must be the model
+  the endpoint serves; the evidence names both, with the endpoint's ``/v1/models`` answer and the first version
+  endpoint that answers.
+* Parity needs every logit of a position; an endpoint returns at most a few log-probabilities, so a parity
+  cell is ``skipped`` with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from decodebench.config import ConfigError, EngineConfig, positive
+from engines.base import Engine, EngineLimit, Generation, OnTokens
+
+VERSION_PATHS = ("/version", "/v1/engine", "/props")  # vLLM and SGLang, decodebench, llama.cpp's server
+
+
+@dataclass
+class OpenAIEngineConfig(EngineConfig):
+    """An OpenAI-compatible endpoint (module docstring); ``timeout_s``: one request's limit, seconds."""
+
+    url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        positive("engine.", self, "timeout_s")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine.url={self.url!r} is not an http(s) URL (the endpoint's base, e.g. "
+                              "http://127.0.0.1:8000/v1)")  # fmt: skip
+        if self.api_key_env is not None and self.api_key_env not in os.environ:
+            raise ConfigError(f"engine.api_key_env={self.api_key_env}: no such environment variable is set")
+
+
+class OpenAIEngine(Engine):
+    """Greedy calls to an OpenAI-compatible endpoint; nothing held locally but the client."""
+
+    name = "openai"
+    config = OpenAIEngineConfig
+
+    def load(self) -> None:
+        from openai import OpenAI  # the serve extra's client, imported only for this engine
+
+        cfg = self.ctx.engine_cfg
+        key = os.environ[cfg.api_key_env] if cfg.api_key_env else "none"
+        self.client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
+        try:
+            listed = self.client.models.list()
+        except Exception as exc:  # no endpoint: the cell cannot run, and says where it looked
+            raise EngineLimit(f"no OpenAI-compatible endpoint answers at {cfg.url}/models: {exc}") from exc
+        self.models = [m.model_dump() for m in listed.data]
+        ids = [m["id"] for m in self.models]
+        if cfg.model is not None and cfg.model not in ids:
+            raise ConfigError(f"engine.model={cfg.model!r} is not served at {cfg.url} (it lists {', '.join(ids)})")
+        if not ids:
+            raise EngineLimit(f"the endpoint at {cfg.url} lists no model")
+        self.model_id = cfg.model or ids[0]
+        self.version = self._version(key)
+
+    def _version(self, key: str) -> dict[str, Any] | None:
+        """The first version endpoint that answers with JSON, as it answered (None: none does)."""
+        root = self.ctx.engine_cfg.url.rstrip("/").removesuffix("/v1")
+        for path in VERSION_PATHS:
+            try:
+                answer = httpx.get(root + path, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+                if answer.status_code == 200:
+                    return {"path": path, "answer": answer.json()}
+            except (httpx.HTTPError, ValueError):
+                continue
+        return None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        return_logits: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> Generation:
+        if return_logits:
+            raise EngineLimit("engine openai cannot return every logit of a position: an OpenAI-compatible endpoint "
+                              "returns at most a few log-probabilities")  # fmt: skip
+        exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True}  # vLLM's fields
+        request = {"model": self.model_id, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0,
+                   "extra_body": exact}  # fmt: skip
+        if on_tokens is None:
+            reply = self.client.completions.create(**request)
+            tokens = reply.choices[0].model_extra.get("token_ids")
+        else:
+            tokens = []
+            stream = self.client.completions.create(**request, stream=True)
+            with stream:
+                for chunk in stream:
+                    ids = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else []
+                    if ids is None:
+                        break
+                    tokens += ids
+                    if ids and not on_tokens(list(ids)):
+                        return Generation(tokens)
+        if tokens is None:
+            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} returned no token_ids: it does not take "
+                               "vLLM's return_token_ids, so the tokens it wrote cannot be read as ids")  # fmt: skip
+        return Generation(list(tokens))
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.ctx.engine_cfg.url, "model_id": self.model_id, "models": self.models,
+                "version": self.version, "api_key_env": self.ctx.engine_cfg.api_key_env}  # fmt: skip

@@ -1,0 +1,56 @@
+"""engine=openai: an OpenAI-compatible endpoint measured as an engine, here the project's own server (a tiny
+ring, started by the test), by the same experiments as the in-process engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runner import run_cell
+from tests.conftest import opened
+from tests.test_serve import serving_engine
+
+SECRET = "sk-decodebench-test-secret"
+
+
+@pytest.fixture(scope="module")
+def endpoint(cache_dir, tiny):
+    with serving_engine(cache_dir, "ring", "engine.backend=eager") as state:
+        yield state
+
+
+def test_a_decode_cell_through_the_endpoint_writes_the_engines_own_tokens(cell_cfg, endpoint, monkeypatch):
+    monkeypatch.setenv("DECODEBENCH_TEST_KEY", SECRET)
+    url = f"{endpoint['url']}/v1"
+    common = ("experiment=decode", "max_new_tokens=8", "repeats=2")
+    key = "engine.api_key_env=DECODEBENCH_TEST_KEY"
+    record = run_cell(cell_cfg("engine=openai", f"engine.url={url}", key, *common))
+    assert record["status"] == "ok", record["reason"]
+    bare = run_cell(cell_cfg("engine=ring", "engine.backend=eager", *common))  # the served engine, in process
+    assert record["outputs"]["generated_ids"] == bare["outputs"]["generated_ids"]
+    assert record["measurements"]["decode_tok_s"]["n"] == 2
+    engine = record["engine"]
+    assert engine["model_id"] == endpoint["served"].model_id and engine["models"][0]["id"] == engine["model_id"]
+    assert engine["version"]["path"] == "/v1/engine" and engine["version"]["answer"]["engine"] == "ring"
+    assert engine["api_key_env"] == "DECODEBENCH_TEST_KEY" and SECRET not in json.dumps(record)
+
+
+def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, endpoint):
+    engine = opened(f"cache_dir={cache_dir}", f"engine.url={endpoint['url']}/v1", "engine=openai").load()
+    ids = [2, 10, 11, 12]
+    whole = engine.generate(ids, 6).tokens
+    batches: list[list[int]] = []
+    assert engine.generate(ids, 6, on_tokens=lambda b: batches.append(b) is None).tokens == whole
+    assert [t for b in batches for t in b] == whole and len(whole) == 6
+    stopped = engine.generate(ids, 6, on_tokens=lambda b: False)
+    assert stopped.tokens == whole[: len(stopped.tokens)] and len(stopped.tokens) < 6
+
+
+def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_cfg, endpoint):
+    parity = run_cell(cell_cfg("engine=openai", f"engine.url={endpoint['url']}/v1", "experiment=parity"))
+    assert parity["status"] == "skipped" and "at most a few log-probabilities" in parity["reason"]
+    nobody = run_cell(cell_cfg("engine=openai", "engine.url=http://127.0.0.1:9/v1", "experiment=decode"))
+    assert nobody["status"] == "skipped" and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (
+        nobody["reason"]
+    )
