@@ -103,23 +103,24 @@ class OpenAIEngine(Engine):
         request = {"model": self.model_id, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0,
                    "extra_body": exact}  # fmt: skip
         if on_tokens is None:
-            reply = self.client.completions.create(**request)
-            tokens = reply.choices[0].model_extra.get("token_ids")
-        else:
-            tokens = []
-            stream = self.client.completions.create(**request, stream=True)
-            with stream:
-                for chunk in stream:
-                    ids = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else []
-                    if ids is None:
-                        break
-                    tokens += ids
-                    if ids and not on_tokens(list(ids)):
-                        return Generation(tokens)
-        if tokens is None:
-            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} returned no token_ids: it does not take "
-                               "vLLM's return_token_ids, so the tokens it wrote cannot be read as ids")  # fmt: skip
-        return Generation(list(tokens))
+            choice = self.client.completions.create(**request).choices[0]
+            return Generation(list(self._ids(choice)))
+        tokens: list[int] = []
+        with self.client.completions.create(**request, stream=True) as stream:
+            for chunk in stream:
+                ids = self._ids(chunk.choices[0]) if chunk.choices else []
+                tokens += ids
+                if ids and not on_tokens(list(ids)):
+                    break  # leaving the block closes the stream: the server cancels the decode
+        return Generation(tokens)
+
+    def _ids(self, choice: Any) -> list[int]:
+        """A choice's token ids; a choice that carries text without them cannot be read as ids."""
+        ids = choice.model_extra.get("token_ids")
+        if ids is None and choice.text:
+            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} returned text without token_ids: it "
+                               "does not take vLLM's return_token_ids: its tokens cannot be read as ids")  # fmt: skip
+        return ids or []
 
     def close(self) -> None:
         super().close()

@@ -4,6 +4,7 @@ ring, started by the test), by the same experiments as the in-process engines.""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,6 +46,8 @@ def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, 
     assert [t for b in batches for t in b] == whole and len(whole) == 6
     stopped = engine.generate(ids, 6, on_tokens=lambda b: False)
     assert stopped.tokens == whole[: len(stopped.tokens)] and len(stopped.tokens) < 6
+    with pytest.raises(RuntimeError, match="returned text without token_ids"):  # a server without vLLM's field
+        engine._ids(SimpleNamespace(model_extra={}, text="the tide"))
 
 
 def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_cfg, endpoint):
