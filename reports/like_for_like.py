@@ -343,6 +343,15 @@ def _linked(key: dict[str, Any], cells: pd.DataFrame) -> pd.DataFrame:
     return cells.loc[[a or b for a, b in zip(named, tried, strict=True)]]
 
 
+def _prompt_distance(measured_key: dict[str, Any], published_key: dict[str, Any]) -> float:
+    """How far a measured prompt's token count is from a published one's (0 when either is not counted): among
+    rows that differ in as many fields, the closest is the one of the nearest prompt length (a recall prompt)."""
+    have, want = ((k.get("prompt") or {}) for k in (measured_key, published_key))
+    tokens = have.get("tokens") if isinstance(have, dict) else None
+    wanted = want.get("tokens") if isinstance(want, dict) else None
+    return abs(float(tokens) - float(wanted)) if tokens is not None and wanted is not None else 0.0
+
+
 def _status(fig: pd.Series, views: list[View], cells: pd.DataFrame, verdicts: dict[str, Verdict],
             ways: set[str], models: dict[str, str]) -> tuple[str, str]:  # fmt: skip
     key = fig.method
@@ -359,7 +368,7 @@ def _status(fig: pd.Series, views: list[View], cells: pd.DataFrame, verdicts: di
         return "measured, not VALID", f"{invalid[0].label}: {invalid[0].verdict}"
     by_way = [(method.differences(v.key, key), v) for v in views if v.valid and v.key.get("way") in _ways(key)]
     if by_way:
-        differs, view = min(by_way, key=lambda found: len(found[0]))  # the closest, e.g. the nearest recall prompt
+        differs, view = min(by_way, key=lambda found: (len(found[0]), _prompt_distance(found[1].key, key)))
         return "measured, not the same method", f"{view.label}: {'; '.join(differs)}"
     linked = _linked(key, cells)
     for status, label in (("ok", "measured, not VALID"), ("skipped", "not runnable here"), ("failed", "failed here")):

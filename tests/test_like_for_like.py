@@ -463,3 +463,14 @@ def test_the_read_speed_ratio_is_the_same_prompt_at_the_larger_context_over_the_
     (row,) = definitions.read_speed(recall_table(ev.records), ev.cells).itertuples()
     assert row.contexts == "131328 over 33024"
     assert row._6 == f"{100 * 315 / 610:.0f}% [{100 * 300 / 620:.0f}%, {100 * 330 / 600:.0f}%] n=2/2"
+
+
+def test_a_recall_row_not_of_the_same_method_names_the_prompt_nearest_its_own():
+    """Rows differing in as many fields: the one of the nearest prompt length is named (not the first found)."""
+    fig = FIGURES.set_index("id").loc["nb05_recall_33024_4081_prompt_tokens"]
+    key = {**fig.method, "max_new_tokens": 64, "loader": "decodebench"}
+    found = [like_for_like.View(f"prompt {n}", {**key, "prompt": {"text": None, "tokens": n}}, True, "VALID", {})
+             for n in (60, 4089, 32768)]  # fmt: skip
+    status, detail = like_for_like._status(fig, found, pd.DataFrame(columns=["file"]), {}, set(), {})
+    assert status == "measured, not the same method" and detail.startswith("prompt 4089: ")
+    assert "prompt tokens: measured 4089, published 4081" in detail
