@@ -196,7 +196,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
         record.environment = capture(device)
         record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
-        contention = Contention()
+        contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
         try:
             if engine_cls is None:
                 keep(record, experiment.run(Cell(run, device, None)))

@@ -186,14 +186,54 @@ def _own_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used (/proc/<pid>/stat), or None when it is gone."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15
+
+
+def listening_processes(port: int) -> list[int]:
+    """The processes holding a listening TCP socket on ``port`` (any local address), and their descendants
+    (a server's workers), from /proc; empty where /proc cannot say."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    owners, parents = set(), {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parents[int(proc.name)] = int(proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            if inodes and any(os.readlink(fd) in inodes for fd in proc.joinpath("fd").iterdir()):
+                owners.add(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, grew = set(owners), True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found - {os.getpid()})  # this process's CPU is the cell's already
+
+
 class Contention:
     """What else used the machine while a cell ran: every process's busy CPU time (/proc/stat) less this
-    process's own (and its children's), over the cell's wall time, as average busy cores; and the load
-    average at the start and the end. A cell is ``contended`` when other processes kept more than
-    ``threshold_cores`` busy on average. Accelerators' other users are not visible here (null)."""
+    process's own (and its children's) and that of ``own_processes`` (processes doing the cell's work
+    elsewhere: the local server an ``openai`` engine measures), over the cell's wall time, as average busy
+    cores; and the load average at the start and the end. A cell is ``contended`` when other processes kept
+    more than ``threshold_cores`` busy on average. Accelerators' other users are not visible here (null)."""
 
-    def __init__(self, threshold_cores: float = CONTENDED_CORES) -> None:
+    def __init__(self, threshold_cores: float = CONTENDED_CORES, own_processes: list[int] | None = None) -> None:
         self.threshold_cores = threshold_cores
+        self.processes = {pid: process_cpu_seconds(pid) for pid in own_processes or []}
         self.start = (time.monotonic(), _busy_seconds(), _own_seconds())
         self.load_start = list(os.getloadavg())
 
@@ -201,9 +241,16 @@ class Contention:
         """The block ``environment.contention`` of the cell's evidence, from the start up to now."""
         start, busy_start, own_start = self.start
         wall, busy, own = time.monotonic() - start, _busy_seconds(), _own_seconds() - own_start
+        counted = []
+        for pid, before in self.processes.items():
+            now = process_cpu_seconds(pid)
+            if before is not None and now is not None:
+                counted.append({"pid": pid, "cpu_s": now - before})
+                own += now - before
         other = None if busy is None or busy_start is None else max(busy - busy_start - own, 0.0)
         cores = None if other is None or wall <= 0 else other / wall
         return {"wall_s": wall, "own_cpu_s": own, "other_cpu_s": other, "other_cores": cores,
                 "threshold_cores": self.threshold_cores, "load_avg_start": self.load_start,
                 "load_avg_end": list(os.getloadavg()), "accelerator_other_users": None,
+                "own_processes": counted,
                 "contended": None if cores is None else cores > self.threshold_cores}  # fmt: skip

@@ -97,6 +97,12 @@ class Engine(ABC):
         return None
 
     @classmethod
+    def local_processes(cls, engine_cfg: Any) -> list[int]:
+        """Other processes on this machine that do this engine's work (their CPU is the cell's own, not
+        contention); none for an engine that runs in the cell's process."""
+        return []
+
+    @classmethod
     def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
         """TorchDynamo settings this engine needs while it is open (``engines.open`` sets and restores them)."""
         return {}

@@ -15,6 +15,8 @@ decodebench's own ``serve.py``), by the same experiments as the in-process engin
 * The run's ``model=`` gives the tokenizer and the checkpoint's facts (prompt ids, EOS): it must be the model
   the endpoint serves; the evidence names both, with the endpoint's ``/v1/models`` answer and the first version
   endpoint that answers.
+* An endpoint on this machine (a loopback URL) works on the cell's cores: the processes listening on its port
+  and their workers count as the cell's own CPU, not contention (``environment.contention.own_processes``).
 * Parity needs every logit of a position; an endpoint returns at most a few log-probabilities, so a parity
   cell is ``skipped`` with that reason.
 """
@@ -24,13 +26,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from decodebench.config import ConfigError, EngineConfig, positive
+from decodebench.environment import listening_processes
 from engines.base import Engine, EngineLimit, Generation, OnTokens
 
 VERSION_PATHS = ("/version", "/v1/engine", "/props")  # vLLM and SGLang, decodebench, llama.cpp's server
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -56,6 +61,15 @@ class OpenAIEngine(Engine):
 
     name = "openai"
     config = OpenAIEngineConfig
+
+    @classmethod
+    def local_processes(cls, engine_cfg: Any) -> list[int]:
+        """An endpoint on this machine (a loopback address): the processes listening on its port and their
+        workers, whose CPU is the cell's work, not contention."""
+        url = urlsplit(engine_cfg.url)
+        if url.hostname not in LOOPBACK:
+            return []
+        return listening_processes(url.port or (443 if url.scheme == "https" else 80))
 
     def load(self) -> None:
         from openai import OpenAI  # the serve extra's client, imported only for this engine

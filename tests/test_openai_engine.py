@@ -4,10 +4,15 @@ ring, started by the test), by the same experiments as the in-process engines.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from decodebench.environment import Contention
+from engines.openai_engine import OpenAIEngine, OpenAIEngineConfig
 from runner import run_cell
 from tests.conftest import opened
 from tests.test_serve import serving_engine
@@ -57,3 +62,28 @@ def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_c
     assert nobody["status"] == "skipped" and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (
         nobody["reason"]
     )
+
+
+def test_an_endpoint_on_this_machine_works_on_the_cells_cpu_not_as_contention():
+    """The processes listening on a loopback endpoint's port count as the cell's own CPU: a listener that burns
+    a core is contention to a plain cell and the cell's own work to one measuring that endpoint."""
+    listen_and_burn = ("import socket, time\nsock = socket.socket()\nsock.bind(('127.0.0.1', 0))\nsock.listen()\n"
+                       "print(sock.getsockname()[1], flush=True)\nend = time.time() + 60\n"
+                       "while time.time() < end: pass")  # fmt: skip
+    burner = subprocess.Popen([sys.executable, "-c", listen_and_burn], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(burner.stdout.readline())
+        def endpoint(host: str) -> OpenAIEngineConfig:
+            return OpenAIEngineConfig(name="openai", url=f"http://{host}:{port}/v1")
+
+        pids = OpenAIEngine.local_processes(endpoint("127.0.0.1"))
+        assert pids == [burner.pid] and OpenAIEngine.local_processes(endpoint("example.com")) == []
+        mine, plain = Contention(own_processes=pids), Contention()
+        time.sleep(2.0)
+        measured, other = mine.measure(), plain.measure()
+    finally:
+        burner.kill()
+        burner.wait()
+    (counted,) = measured["own_processes"]
+    assert counted["pid"] == burner.pid and counted["cpu_s"] > 0.5
+    assert measured["other_cpu_s"] < other["other_cpu_s"] - 0.5 * counted["cpu_s"]
