@@ -69,6 +69,7 @@ class Engine(ABC):
     streams: ClassVar[bool] = False  # True: the engine reads tokens to the host itself (read_every applies)
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
     scores_prompt: ClassVar[bool] = False  # True: prompt_logits() reads a prompt's logits at every position
+    returns_logits: ClassVar[bool] = True  # False: generate(return_logits=True) cannot be answered (no parity)
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
     def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:

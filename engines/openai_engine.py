@@ -36,6 +36,8 @@ from engines.base import Engine, EngineLimit, Generation, OnTokens
 
 VERSION_PATHS = ("/version", "/v1/engine", "/props")  # vLLM and SGLang, decodebench, llama.cpp's server
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NO_LOGITS = ("engine openai cannot return every logit of a position: an OpenAI-compatible endpoint returns at most "
+             "a few log-probabilities")  # fmt: skip
 
 
 @dataclass
@@ -61,6 +63,7 @@ class OpenAIEngine(Engine):
 
     name = "openai"
     config = OpenAIEngineConfig
+    returns_logits = False
 
     @classmethod
     def local_processes(cls, engine_cfg: Any) -> list[int]:
@@ -111,8 +114,7 @@ class OpenAIEngine(Engine):
         on_tokens: OnTokens | None = None,
     ) -> Generation:
         if return_logits:
-            raise EngineLimit("engine openai cannot return every logit of a position: an OpenAI-compatible endpoint "
-                              "returns at most a few log-probabilities")  # fmt: skip
+            raise EngineLimit(NO_LOGITS)
         exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True}  # vLLM's fields
         request = {"model": self.model_id, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0,
                    "extra_body": exact}  # fmt: skip

@@ -153,6 +153,8 @@ def sequence_kl(engine: Any, ids: list[int], ref: Reference, result: Result) -> 
 
 def run(cell: Cell) -> Result:
     cfg, opened = cell.cfg, cell.opened
+    if not opened.cls.returns_logits:  # before the reference is computed: nothing to compare it with
+        raise EngineLimit(f"engine {opened.name} cannot return every logit of a position, which parity compares")
     n = cfg.max_new_tokens
     candidates = {"prompt": opened.encode(cfg.prompt)}
     window, piece = opened.checkpoint.config.sliding_window, cfg.experiment.wrap_piece

@@ -57,7 +57,7 @@ def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, 
 
 def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_cfg, endpoint):
     parity = run_cell(cell_cfg("engine=openai", f"engine.url={endpoint['url']}/v1", "experiment=parity"))
-    assert parity["status"] == "skipped" and "at most a few log-probabilities" in parity["reason"]
+    assert parity["status"] == "skipped" and "cannot return every logit of a position" in parity["reason"]
     nobody = run_cell(cell_cfg("engine=openai", "engine.url=http://127.0.0.1:9/v1", "experiment=decode"))
     assert nobody["status"] == "skipped" and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (
         nobody["reason"]
