@@ -79,7 +79,7 @@ REPRODUCE_MODEL ?= tiny
 NOISE ?= replica=0,1
 reproduce: setup
 	$(BIN)/python run.py -m hydra/launcher=isolated $(NOISE) "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
-	$(BIN)/python run.py -m hydra/launcher=isolated "way=$$($(BIN)/python scripts/way_checks.py $(WAYS))" experiment=parity-bf16 \
+	$(BIN)/python run.py -m hydra/launcher=isolated "way=$$($(BIN)/python -m scripts.way_checks $(WAYS))" experiment=parity-bf16 \
 	  model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
 	$(MAKE) --no-print-directory report
 

@@ -59,6 +59,11 @@ class StaticEngineConfig(GenerateEngineConfig):
         if self.compile and self.mode == EagerMode.fuse:
             raise ConfigError("engine.compile=true with engine.mode=fuse: generate compiles its forward or runs it "
                               "under defer-and-fuse, not both")  # fmt: skip
+        if self.compile and self.backend == "none":
+            raise ConfigError("engine.compile=true with engine.backend=none: generate would not compile; drop one")
+        if not self.compile and self.backend != "auto":
+            raise ConfigError(f"engine.backend={self.backend} has no effect without engine.compile=true (static "
+                              "generate is strict eager otherwise)")  # fmt: skip
 
 
 def static_cache_bytes(cache: StaticCache | None) -> int | None:
@@ -219,9 +224,9 @@ class StaticEngine(GenerateEngine):
         )
 
     def compile_config(self) -> CompileConfig | None:
-        backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) if self.ctx.engine_cfg.compile else None
-        if backend is None:
+        if not self.ctx.engine_cfg.compile:
             return None
+        backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device)  # not none: refused by the config
         config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
         config._compile_all_devices = True  # Transformers compiles on accelerators only unless told so
         return config

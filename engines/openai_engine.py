@@ -120,13 +120,13 @@ class OpenAIEngine(Engine):
                    "extra_body": exact}  # fmt: skip
         if on_tokens is None:
             choice = self.client.completions.create(**request).choices[0]
-            return Generation(list(self._ids(choice)))
+            return Generation(self._ids(choice))
         tokens: list[int] = []
         with self.client.completions.create(**request, stream=True) as stream:
             for chunk in stream:
                 ids = self._ids(chunk.choices[0]) if chunk.choices else []
                 tokens += ids
-                if ids and not on_tokens(list(ids)):
+                if ids and not on_tokens(ids):
                     break  # leaving the block closes the stream: the server cancels the decode
         return Generation(tokens)
 

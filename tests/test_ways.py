@@ -68,6 +68,16 @@ def test_a_ways_parity_check_keeps_its_engine_settings_context_and_n():
         check_way(typed_config(make_cfg("way=nb02/buffer", "experiment=parity-bf16", "engine.compile=false")))
 
 
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [(("engine.compile=true", "engine.backend=none"), "engine.compile=true with engine.backend=none"),
+     (("engine.backend=eager",), "engine.backend=eager has no effect without engine.compile=true")],
+)  # fmt: skip
+def test_a_static_backend_that_would_not_take_effect_is_refused_by_name(settings, named):
+    with pytest.raises(ConfigError, match=named):
+        typed_config(make_cfg("engine=static", *settings))
+
+
 def test_reproduce_checks_each_distinct_engine_setting_once():
     checks = way_checks(ALL_WAYS)
     assert "scripts/way_checks.py" in (REPO / "Makefile").read_text() and len(checks) < len(ALL_WAYS)
