@@ -59,9 +59,13 @@ def test_a_pair_whose_n_token_call_is_not_slower_gives_no_rate_and_is_named(cell
     checks = {c["rule"]: c for c in record["outputs"]["checks"]}
     broken = checks["T_N > T_1 in every pair (N=3)"]
     warm_1, warm_n = record["samples"]["warm_1_s"], record["samples"]["warm_n_s"]
-    assert not broken["holds"] and f"T_1 = {warm_1[1]:.6f} s, T_N = {warm_n[1]:.6f} s" == broken["detail"]
+    kept = [i for i in range(3) if warm_n[i] > warm_1[i]]  # a noisy machine may break another pair on its own
+    assert 1 not in kept and not broken["holds"]
+    assert broken["detail"].split("; ") == [
+        f"T_1 = {warm_1[i]:.6f} s, T_N = {warm_n[i]:.6f} s" for i in range(3) if i not in kept
+    ]
     rates = record["measurements"]["decode_tok_s"]["values"]
-    assert rates == [2 / (warm_n[i] - warm_1[i]) for i in (0, 2)], "the broken pair is left out, never negative"
+    assert rates == [2 / (warm_n[i] - warm_1[i]) for i in kept], "a broken pair is left out, never negative"
     assert checks["exactly N tokens in every call"]["holds"]
 
 
