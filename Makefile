@@ -49,7 +49,17 @@ $(BROWSER_STAMP): $(STAMP)
 	else echo "setup: no chromium/chromedriver and not root: the chat page's browser test is skipped"; fi
 	@touch $(BROWSER_STAMP)
 
-setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP)
+# The load generator of experiment=load (AIPerf) in an environment of its own, so that its pins never touch
+# the project's: locks/aiperf.txt (pip-compile over locks/aiperf.in) into .venv-aiperf.
+LOAD_VENV := .venv-aiperf
+LOAD_STAMP := $(LOAD_VENV)/.setup-stamp
+$(LOAD_STAMP): locks/aiperf.txt
+	@test -x $(LOAD_VENV)/bin/python || $(PY) -m venv $(LOAD_VENV)
+	@echo "setup: AIPerf into $(LOAD_VENV) from locks/aiperf.txt (experiment=load)"
+	@$(LOAD_VENV)/bin/pip install -qq -r locks/aiperf.txt
+	@touch $(LOAD_STAMP)
+
+setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP)
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
@@ -124,6 +134,7 @@ lock: setup
 	@for stack in default article; do \
 	  $(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links --extra dev,rust,jax,cluster,serve \
 	    --constraint locks/$$stack.in -o locks/$$stack.txt pyproject.toml; done
+	@$(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links -o locks/aiperf.txt locks/aiperf.in
 
 lint: setup
 	$(BIN)/ruff check .

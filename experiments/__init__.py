@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from decodebench.config import ExperimentConfig
 from decodebench.evidence import Record
-from experiments import decode, diagnose, modes, parity, profile, recall, serve
+from experiments import decode, diagnose, load, modes, parity, profile, recall, serve
 from experiments.cell import Cell
 from experiments.common import Result
 
@@ -54,6 +54,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "diagnose": Experiment(diagnose.run, diagnose.DiagnoseExperimentConfig, diagnose.headline, engine=False),
     "serve": Experiment(serve.run, serve.ServeExperimentConfig, serve.headline, run_defaults=True),
     "profile": Experiment(profile.run, profile.ProfileExperimentConfig, profile.headline),
+    "load": Experiment(load.run, load.LoadExperimentConfig, load.headline),
 }
 
 

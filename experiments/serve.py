@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -56,9 +57,10 @@ from experiments.common import Result
 from experiments.decode import Pairs, warm_pairs
 from serving import browser
 from serving.listen import running
-from serving.server import create_app, describe_engine
+from serving.server import Served, create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
 
+T = TypeVar("T")
 PERCENTILES = (50, 90, 99)
 MEASURED_FINISH = ("stop", "length")
 SCREENSHOT_S = 600.0  # the page's one reply of max_tokens, on the slowest engine here
@@ -272,6 +274,20 @@ def clients(cell: Cell, url: str, model: str, worker: EngineWorker, room: int) -
             "cancel": cancelled, "screenshot": screenshot(cell, url)}  # fmt: skip
 
 
+def serve_while(
+    cell: Cell, warmup_s: float | None, read_every: int, clients: Callable[[str, str, EngineWorker], T]
+) -> tuple[T, Served, EngineWorker]:
+    """The cell's loaded engine behind decodebench's server on a free loopback port, for as long as
+    ``clients(url, model id, worker)`` runs on a client thread; this thread built the engine, so it is the
+    one that serves. Returns what ``clients`` returned, what the server said of the engine, and the worker."""
+    served = describe_engine(cell.opened, cell.cfg.model.name, cell.load_s, warmup_s, read_every)
+    worker = EngineWorker(cell.engine, Metrics(), read_every)
+    with running(create_app(served, worker, cell.opened)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
+        parts = pool.submit(clients, url, served.model_id, worker)
+        worker.serve_until(parts.done)
+        return parts.result(), served, worker
+
+
 def median(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
@@ -286,12 +302,9 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     read_every = max(cfg.read_every, 1)
     with engine.reading_every(read_every):
         first, warmup_s, base = bare(cell, ids)
-    served = describe_engine(cell.opened, cfg.model.name, cell.load_s, warmup_s, read_every)
-    worker = EngineWorker(engine, Metrics(), read_every)
-    with running(create_app(served, worker, cell.opened)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
-        parts = pool.submit(clients, cell, url, served.model_id, worker, cfg.context - len(ids))
-        worker.serve_until(parts.done)  # this thread built the engine: it serves until the clients are done
-        out = parts.result()
+    out, served, worker = serve_while(
+        cell, warmup_s, read_every, lambda url, model, worker: clients(cell, url, model, worker, cfg.context - len(ids))
+    )
 
     rows, streams = out["requests"], out["streams"]
     served_n = int(statistics.median(r["engine_tokens"] for r in rows))
@@ -312,8 +325,9 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         stream_request_rate_req_s=scalar(len(streams) / out["wall_b"], "req/s", method="(b) requests / wall s"),
         stream_output_tok_s=scalar(sum(s["tokens"] for s in streams) / out["wall_b"], "tok/s", method="(b)"),
         ttft_s=samples([s["ttft_s"] for s in streams], "s", method="send to first token chunk, client"),
-        served_ttft_s=samples(out["first_token_s"], "s", method="the run's prompt streamed for 1 token: send to "
-                              "its chunk, client"),
+        served_ttft_s=samples(
+            out["first_token_s"], "s", method="the run's prompt streamed for 1 token: send to its chunk, client"
+        ),
         bare_ttft_s=samples(base.warm_1, "s", method="warm 1-token call on the run's prompt, device.sync() around it"),
         e2el_s=samples([s["e2el_s"] for s in streams], "s", method="send to end of stream, client"),
         cancel_counter_before=scalar(out["cancel"]["counter_before"], "count"),
@@ -324,10 +338,20 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     )
     optional = {
         "bare_decode_tok_s": (base.rates, "tok/s", {"formula": "(N-1)/(T_N-T_1)", "read_every": read_every}),
-        "bare_served_length_tok_s": (at_length.rates, "tok/s", {"formula": "(M-1)/(T_M-T_1), M = median served "
-                                     "engine tokens", "tokens": served_n, "read_every": read_every}),  # fmt: skip
-        "bare_phase_tok_s": ([(base.n - 1) / g.decode_s for g in base.calls if g.decode_s], "tok/s",
-                             {"formula": "(N-1)/decode_s, engine timers"}),  # fmt: skip
+        "bare_served_length_tok_s": (
+            at_length.rates,
+            "tok/s",
+            {
+                "formula": "(M-1)/(T_M-T_1), M = median served engine tokens",
+                "tokens": served_n,
+                "read_every": read_every,
+            },
+        ),  # fmt: skip
+        "bare_phase_tok_s": (
+            [(base.n - 1) / g.decode_s for g in base.calls if g.decode_s],
+            "tok/s",
+            {"formula": "(N-1)/decode_s, engine timers"},
+        ),  # fmt: skip
         "served_read_s": ([r["read_s"] for r in rows], "s", {"method": "engine timer, response's decodebench field"}),
         "served_decode_s": ([r["decode_s"] for r in rows], "s", {"method": "engine timer"}),
         "served_engine_tok_s": ([r["engine_tok_s"] for r in rows], "tok/s", {"formula": "(tokens-1)/decode_s"}),

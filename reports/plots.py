@@ -124,3 +124,31 @@ def profile_bars(profile: pd.DataFrame, out: Path) -> str | None:
     fig.savefig(out, **SAVE)
     plt.close(fig)
     return out.name
+
+
+def load_curves(load: pd.DataFrame, out: Path) -> str | None:
+    """Latency against output throughput, one line per load cell through its levels: TTFT p50 and TPOT p50
+    on two panels, each with its cell's SLO as a dashed line (measured; the SLO is the user's setting)."""
+    if load.empty:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for _, cell in load.groupby("file", sort=False):
+        label = f"{cell.engine.iloc[0]} ({cell.model.iloc[0]}, {cell.device.iloc[0]})"
+        for ax, column in zip(axes, ("ttft_p50", "tpot_p50"), strict=True):
+            ax.plot(cell.output_tok_s, cell[column], marker="o", label=label)
+            for _, r in cell.iterrows():
+                ax.annotate(r.level, (r.output_tok_s, r[column]), fontsize="x-small", xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+    for ax, slo, name in zip(axes, ("slo_ttft_s", "slo_tpot_s"), ("TTFT", "TPOT"), strict=True):
+        for value in load[slo].unique():
+            ax.axhline(value, linestyle="--", color="grey", linewidth=1)
+            ax.annotate(f"SLO {value:g} s", (0, value), xycoords=("axes fraction", "data"), fontsize="x-small",
+                        xytext=(2, 2), textcoords="offset points")  # fmt: skip
+        ax.set_xlabel("output tok/s (all requests)")
+        ax.set_ylabel(f"{name} p50, s")
+        ax.set_title(f"{name} against throughput by load level")
+    axes[0].legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(out, **SAVE)
+    plt.close(fig)
+    return out.name

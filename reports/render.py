@@ -22,6 +22,7 @@ from reports.tables.bench import bench_table
 from reports.tables.boot import boot_runs
 from reports.tables.cells import load as load_evidence
 from reports.tables.decode import decode_table, left_out
+from reports.tables.load import load_table
 from reports.tables.profile import profile_table
 from reports.tables.recall import recall_table
 from reports.tables.serving import serve_table
@@ -105,11 +106,13 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
 
     report.parent.mkdir(parents=True, exist_ok=True)
     profile = profile_table(ev.records)
+    load = load_table(ev.records)
     made = [
         plots.decode_rates(decode, report.parent / "decode_tok_s.png"),
         plots.decode_vs_context(decode, report.parent / "decode_vs_context.png"),
         plots.memory(decode, report.parent / "memory.png"),
         plots.profile_bars(profile, report.parent / "profile.png"),
+        plots.load_curves(load, report.parent / "load.png"),
     ]
     env = Environment(
         loader=FileSystemLoader([TEMPLATES, TABLES]),
@@ -163,6 +166,8 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         bench=bench_table(evidence_dir.parent / "bench"),
         profile=profile,
         profile_plot=made[3],
+        load=load,
+        load_plot=made[4],
         why=article_tables.build(ev.records, every_row, pub),
         published_rate=lambda row: like_for_like.published_rate(like_for_like.row_view(row), figures),
         no_pair=like_for_like.NO_PAIR,
@@ -183,7 +188,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
             c: tuple(definitions.printed(figures, *ids).values()) for c, ids in definitions.IDENTITY.items()
         },
         nb02=definitions.n_over_warm_n(views, figures),
-        plots=[p for p in made[:3] if p],  # the decode section's; the profile plot sits in its own
+        plots=[p for p in made[:3] if p],  # the decode section's; the profile and load plots sit in their own
         arithmetic_path=arithmetic_out.resolve().relative_to(REPO).as_posix()
         if arithmetic_out.resolve().is_relative_to(REPO)
         else str(arithmetic_out),

@@ -1,0 +1,243 @@
+"""Experiment ``load``: the cell's engine behind decodebench's server, driven by AIPerf at several load levels.
+
+The serve experiment is the Rust article's one-request-at-a-time method; this one asks what happens when
+requests overlap. The engine decodes one request at a time (batch 1), so under load a request waits in
+the server's queue: its TTFT grows by that wait, which the server's ``/metrics`` reports
+(``decodebench_queue_seconds``) beside the client's figures.
+
+Method, per level (``experiment.concurrency``: closed loop, that many requests always in flight;
+``experiment.rate``: open loop, Poisson arrivals at that many requests a second), one AIPerf run
+(``serving.aiperf``; its own environment, ``make setup``):
+
+* ``warmup_requests`` requests first, not measured (the first compiles the engine's programs), then
+  ``requests`` measured ones, each asking for exactly the run's ``max_new_tokens`` (``ignore_eos``; a level
+  whose requests did not each get exactly that many tokens fails the cell).
+* Prompts: ``synthetic`` (AIPerf's generator, ``prompt_tokens`` each, completions endpoint), ``recall``
+  (the recall generator's prompt of at most ``prompt_tokens`` tokens, a new seed per request, chat), or a
+  JSONL file (``{"text": ...}`` a line, chat); every text prompt is held to the fit rule first.
+* Per level: requests, errors, request throughput (req/s) and output tok/s over AIPerf's benchmark
+  duration; TTFT, TPOT, ITL and E2EL mean / p50 / p90 / p99 (seconds; AIPerf's names in
+  ``serving.aiperf``); goodput (requests a second meeting both SLOs, ``experiment.slo``); and the server's
+  own count and mean of queue, read and decode seconds over the same phase (AIPerf scrapes ``/metrics``).
+  The server must count exactly the requests AIPerf completed. ``ttft_less_queue_s`` = mean TTFT - mean
+  queue seconds: what a request costs once the engine takes it.
+
+AIPerf runs on the same machine as the engine (its processes are the cell's children: their CPU is the
+cell's own, not contention); its exports are kept beside the evidence (``<sweep>/load-<cell>/<level>/``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
+from decodebench.evidence import Record, scalar
+from experiments import recall_prompts
+from experiments.cell import Cell, MethodError
+from experiments.common import Result
+from experiments.serve import serve_while
+from serving import aiperf
+
+PROMPT_SOURCES = ("synthetic", "recall")  # or a path to a JSONL file
+KEPT_FILES = (aiperf.CLIENT_EXPORT, aiperf.SERVER_EXPORT)
+RECORDS_FILE = "profile_export.jsonl"  # AIPerf's per-request records, kept gzipped
+TOOL_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class SloConfig:
+    """Service-level objectives a request must meet to count toward goodput (DistServe's definition, as
+    AIPerf computes it): time to first token and time per output token, seconds. The defaults: a reply
+    that starts within 2 s and then comes at a reader's pace (10 tokens a second)."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+
+@dataclass
+class LoadExperimentConfig(ExperimentConfig):
+    """Load levels against the cell's engine behind decodebench's server (see the module docstring).
+
+    ``concurrency``: closed-loop levels; ``rate``: open-loop Poisson levels (requests a second); one AIPerf
+    run each, in this order. ``prompts``: ``synthetic``, ``recall`` or a JSONL path; ``prompt_tokens``: the
+    synthetic prompts' length, or the recall prompts' largest; ``seed``: AIPerf's and the recall prompts'.
+    """
+
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
+    rate: list[float] = field(default_factory=list)
+    requests: int = 8
+    warmup_requests: int = 2
+    prompts: str = "synthetic"
+    prompt_tokens: int = 64
+    seed: int = 0
+    slo: SloConfig = field(default_factory=SloConfig)
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "requests", "warmup_requests", "prompt_tokens")
+        positive("experiment.slo.", self.slo, "ttft_s", "tpot_s")
+        if not self.concurrency and not self.rate:
+            raise ConfigError("experiment.concurrency and experiment.rate are both empty: no load level to run")
+        for c in self.concurrency:
+            if c < 1:
+                raise ConfigError(f"experiment.concurrency holds {c}: each level is at least 1 request in flight")
+        for r in self.rate:
+            if r <= 0:
+                raise ConfigError(f"experiment.rate holds {r}: each level is a positive request rate (req/s)")
+        if self.prompts not in PROMPT_SOURCES and not self.prompts.endswith(".jsonl"):
+            raise ConfigError(
+                f"experiment.prompts={self.prompts!r}: one of {', '.join(PROMPT_SOURCES)} or a path to a .jsonl file"
+            )
+
+    def levels(self) -> list[aiperf.Level]:
+        return [aiperf.Level("concurrency", c) for c in self.concurrency] + [aiperf.Level("rate", r) for r in self.rate]
+
+
+def headline(record: Record) -> str:
+    """The cell's one line: each level's request rate, output tok/s and median TTFT."""
+    parts = [
+        f"{level['level']}: {level['request_rate_req_s']:.2f} req/s, {level['output_tok_s']:.1f} tok/s, "
+        f"TTFT p50 {level['ttft_s']['p50']:.3f} s"
+        for level in record.outputs["levels"]
+    ]
+    synthetic = " (synthetic weights)" if record.model.get("synthetic") else ""
+    return "load: " + "; ".join(parts) + synthetic
+
+
+def text_prompts(cell: Cell, count: int) -> list[str] | None:
+    """The texts every request of every level draws from (AIPerf cycles through them), each held to the
+    fit rule; None for AIPerf's synthetic prompts."""
+    exp = cell.cfg.experiment
+    if exp.prompts == "synthetic":
+        cell.require_fit(exp.prompt_tokens + 1)  # AIPerf's prompt, re-read by the server: one token either way
+        return None
+    if exp.prompts == "recall":
+        template = recall_prompts.build(cell.opened.tokenizer, exp.prompt_tokens, exp.seed, cell.cfg.chat_template)
+        texts = [recall_prompts.text(exp.seed + i, template.records)[0] for i in range(count)]
+    else:
+        path = Path(exp.prompts)
+        try:
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"experiment.prompts={exp.prompts}: {exc}") from exc
+        texts = [line.get("text") if isinstance(line, dict) else None for line in lines]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ConfigError(f"experiment.prompts={exp.prompts}: each line must be a JSON object with a text field")
+    for text in texts:
+        cell.require_fit(len(cell.opened.encode(text)))
+    return texts
+
+
+def keep_exports(run_dir: Path, kept: Path) -> list[str]:
+    """AIPerf's two summaries and its per-request records (gzipped) from ``run_dir`` into ``kept``."""
+    kept.mkdir(parents=True, exist_ok=True)
+    names = []
+    for name in KEPT_FILES:
+        shutil.copyfile(run_dir / name, kept / name)
+        names.append(name)
+    records = run_dir / RECORDS_FILE
+    if records.exists():
+        with records.open("rb") as src, gzip.open(kept / f"{RECORDS_FILE}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        names.append(f"{RECORDS_FILE}.gz")
+    return names
+
+
+def held_to_method(level: str, figures: dict[str, Any], n: int) -> None:
+    """A level's figures (``serving.aiperf.read_level``) describe the method, or a MethodError says how
+    not: at least one request completed, each with exactly ``n`` tokens, and the server's ``/metrics``
+    counted exactly the requests AIPerf completed (the two sides describe the same requests)."""
+    tokens, queue = figures["output_tokens"], figures["server"]["queue_s"]
+    if figures["requests"] < 1:
+        raise MethodError(f"AIPerf at {level} completed no request ({figures['errors']} errors)")
+    if tokens.get("min") != n or tokens.get("max") != n:
+        got = f"{tokens.get('min')}-{tokens.get('max')}"
+        raise MethodError(f"at {level} requests got {got} tokens each, not exactly {n} (ignore_eos)")
+    if queue["count"] != figures["requests"]:
+        raise MethodError(
+            f"at {level} the server's /metrics counted {queue['count']} requests taken by the engine where "
+            f"AIPerf completed {figures['requests']}: the two sides do not describe the same requests"
+        )
+
+
+def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiperf.Workload, kept: Path) -> dict:
+    """One AIPerf run at ``level``; its record, held to the method's contracts."""
+    with tempfile.TemporaryDirectory(prefix=f"aiperf-{level.name}-") as tmp:
+        out = Path(tmp)
+        command = aiperf.level_command(url, model, cell.opened.checkpoint.path.resolve(), level, work, out)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, cwd=tmp)
+        if done.returncode != 0:
+            log = out / "logs" / "aiperf.log"
+            text = (done.stdout + done.stderr + (log.read_text() if log.exists() else "")).strip()
+            errors = [line for line in text.splitlines() if "ERROR" in line or "Error" in line]
+            tail = "\n".join(errors or text.splitlines()[-15:])[-3000:]
+            raise MethodError(f"AIPerf at {level.name} exited {done.returncode}:\n{tail}")
+        try:
+            figures = aiperf.read_level(out)
+        except aiperf.ToolError as exc:
+            raise MethodError(f"AIPerf at {level.name}: {exc}") from exc
+        files = keep_exports(out, kept / level.name)
+    held_to_method(level.name, figures, work.output_tokens)
+    queue = figures["server"]["queue_s"]
+    return {"level": level.name, "mode": level.mode, "value": level.value, **figures,
+            "ttft_less_queue_s": figures["ttft_s"]["avg"] - queue["sum"] / queue["count"], "files": files,
+            "command": " ".join(command[1:])}  # fmt: skip
+
+
+def run(cell: Cell, result: Result | None = None) -> Result:
+    cfg, exp = cell.cfg, cell.cfg.experiment
+    result = result or Result()
+    reason = aiperf.missing()
+    if reason:
+        raise MethodError(reason)
+    texts = text_prompts(cell, exp.requests + exp.warmup_requests)
+    cell.load()
+    read_every = max(cfg.read_every, 1)
+    stem = f"load-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}"
+    kept = Path(cfg.evidence_dir) / str(cfg.sweep) / stem
+
+    def clients(url: str, model: str, _worker: Any) -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory(prefix="decodebench-load-") as tmp:
+            input_file = None
+            if texts is not None:
+                input_file = Path(tmp) / "prompts.jsonl"
+                input_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+            work = aiperf.Workload(exp.requests, exp.warmup_requests, cfg.max_new_tokens, exp.prompt_tokens,
+                                   input_file, exp.slo.ttft_s, exp.slo.tpot_s, exp.seed)  # fmt: skip
+            return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
+
+    levels, served, _ = serve_while(cell, None, read_every, clients)
+    best = max(levels, key=lambda level: level["output_tok_s"])
+    result.measurements.update(
+        load_s=scalar(cell.load_s, "s"),
+        peak_output_tok_s=scalar(
+            best["output_tok_s"],
+            "tok/s",
+            level=best["level"],
+            method="the highest AIPerf output token throughput over the levels",
+        ),  # fmt: skip
+        max_new_tokens=scalar(cfg.max_new_tokens, "tok"),
+    )
+    result.outputs.update(
+        levels=levels,
+        read_every=read_every,
+        prompts=exp.prompts,
+        slo={"ttft_s": exp.slo.ttft_s, "tpot_s": exp.slo.tpot_s},
+        exports=f"{cfg.sweep}/{stem}",
+        engine_info=served.info,
+        tool="AIPerf (locks/aiperf.txt, its own environment .venv-aiperf), on this machine beside the engine",
+    )
+    result.timers.update(
+        ttft_s="AIPerf: request sent to the first token's chunk (client)",
+        tpot_s="AIPerf's inter_token_latency: (E2EL - TTFT) / (tokens - 1) per request",
+        itl_s="AIPerf's inter_chunk_latency: gaps between consecutive chunks, read_every tokens a chunk",
+        e2el_s="AIPerf's request_latency: request sent to the last chunk",
+        queue_s="server: submit to the engine taking the request (decodebench_queue_seconds)",
+    )
+    return result

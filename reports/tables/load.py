@@ -1,0 +1,56 @@
+"""The load table (one row per level of every ``load`` cell), rendered by ``load.md.j2`` beside this file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+LOAD_COLUMNS = ["file", "engine", "model", "synthetic", "device", "level", "mode", "value", "requests", "errors",
+                "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99",
+                "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean",
+                "ttft_less_queue", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
+
+
+def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per level of each ok ``load`` cell: AIPerf's client figures (seconds) and the server's own
+    queue seconds over the same requests, with the cell's SLOs and where its exports are kept."""
+    rows = []
+    for file, data in sorted(records.items()):
+        if data["status"] != "ok" or data["config"]["experiment"]["name"] != "load":
+            continue
+        out = data["outputs"]
+        for level in out["levels"]:
+            queue = level["server"]["queue_s"]
+            rows.append(
+                {
+                    "file": file,
+                    "engine": data["config"]["engine"]["name"],
+                    "model": data["config"]["model"]["name"],
+                    "synthetic": bool(data["model"].get("synthetic")),
+                    "device": data["environment"].get("device_kind"),
+                    "level": level["level"],
+                    "mode": level["mode"],
+                    "value": level["value"],
+                    "requests": level["requests"],
+                    "errors": level["errors"],
+                    "prompt_tokens": level["prompt_tokens"],
+                    "output_tokens": level["output_tokens"].get("max"),
+                    "request_rate": level["request_rate_req_s"],
+                    "output_tok_s": level["output_tok_s"],
+                    **{
+                        f"{name}_{p}": level[f"{name}_s"].get(p) if f"{name}_s" in level else None
+                        for name in ("ttft", "tpot", "itl", "e2el")
+                        for p in ("p50", "p90", "p99")
+                    },  # fmt: skip
+                    "queue_mean": queue["sum"] / queue["count"],
+                    "ttft_mean": level["ttft_s"]["avg"],
+                    "ttft_less_queue": level["ttft_less_queue_s"],
+                    "goodput": level["goodput_req_s"],
+                    "good_requests": level["good_requests"],
+                    "slo_ttft_s": out["slo"]["ttft_s"],
+                    "slo_tpot_s": out["slo"]["tpot_s"],
+                    "exports": f"{out['exports']}/{level['level']}",
+                }
+            )
+    return pd.DataFrame(rows, columns=LOAD_COLUMNS)

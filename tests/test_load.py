@@ -1,0 +1,86 @@
+"""experiment=load: AIPerf at several load levels against the cell's engine behind decodebench's server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decodebench.config import ConfigError
+from decodebench.device import resolve_device
+from experiments.cell import Cell, MethodError
+from experiments.load import LoadExperimentConfig, held_to_method, text_prompts
+from reports.tables.load import load_table
+from runner import run_cell, typed_config
+from tests.conftest import make_cfg, opened
+
+
+@pytest.mark.slow
+def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_reports(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=generate", "experiment=load", "experiment.concurrency=[1,4]",
+                               "experiment.requests=8", "experiment.prompt_tokens=24", "max_new_tokens=8"))  # fmt: skip
+    assert record["status"] == "ok", record["reason"]
+    one, four = record["outputs"]["levels"]
+    assert (one["level"], four["level"]) == ("c1", "c4")
+    for level in (one, four):
+        assert level["requests"] == level["server"]["requests"] == 8 and level["errors"] == 0
+        assert level["output_tokens"] == {"min": 8, "max": 8}
+        assert level["ttft_s"]["p50"] <= level["ttft_s"]["p90"] <= level["ttft_s"]["p99"] <= level["ttft_s"]["max"]
+    queue_one, queue_four = (level["server"]["queue_s"]["sum"] / 8 for level in (one, four))
+    assert four["ttft_s"]["avg"] > one["ttft_s"]["avg"]
+    # one engine, one request at a time: with 4 in flight a request waits for the others, and that wait,
+    # as the server's /metrics counts it, is what its first token costs beyond the same request alone
+    assert four["ttft_s"]["avg"] - one["ttft_s"]["avg"] == pytest.approx(queue_four - queue_one, rel=0.25, abs=0.05)
+    assert queue_four > 4 * queue_one
+    table = load_table({"cell.json": record})
+    assert list(table.level) == ["c1", "c4"] and list(table.queue_mean) == [queue_one, queue_four]
+
+
+def figures(requests: int = 8, tokens: tuple[int, int] = (8, 8), counted: int = 8) -> dict:
+    return {"requests": requests, "errors": 0, "output_tokens": {"min": tokens[0], "max": tokens[1]},
+            "server": {"queue_s": {"count": counted, "sum": 1.0}}}  # fmt: skip
+
+
+def test_a_level_is_held_to_exactly_n_tokens_and_to_the_requests_the_server_counted():
+    held_to_method("c1", figures(), 8)
+    with pytest.raises(MethodError, match="got 7-8 tokens each, not exactly 8"):
+        held_to_method("c1", figures(tokens=(7, 8)), 8)
+    with pytest.raises(MethodError, match="counted 9 requests .* AIPerf completed 8"):
+        held_to_method("c4", figures(counted=9), 8)
+    with pytest.raises(MethodError, match="completed no request"):
+        held_to_method("r2", figures(requests=0, counted=0), 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"concurrency": [], "rate": []}, "no load level"),
+        ({"concurrency": [0]}, "at least 1 request in flight"),
+        ({"rate": [-1.0]}, "positive request rate"),
+        ({"prompts": "prompts.txt"}, "a path to a .jsonl file"),
+        ({"requests": 0}, "experiment.requests=0"),
+    ],
+)
+def test_load_settings_that_cannot_run_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        LoadExperimentConfig(name="load", **overrides)
+
+
+def cell_for(*overrides: str) -> Cell:
+    run = typed_config(make_cfg("device=cpu", *overrides))
+    return Cell(run, resolve_device("cpu", "torch"), opened("engine=generate", *overrides))
+
+
+def test_recall_and_jsonl_prompts_are_held_to_the_fit_rule(tiny, cache_dir, tmp_path):
+    base = (f"cache_dir={cache_dir}", "engine=generate", "experiment=load", "max_new_tokens=8")
+    recall = text_prompts(cell_for(*base, "experiment.prompts=recall", "experiment.prompt_tokens=120"), 3)
+    assert len(set(recall)) == 3, "a new seed per request"
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text(json.dumps({"text": "Name three uses of a ring buffer."}) + "\n")
+    assert text_prompts(cell_for(*base, f"experiment.prompts={lines}"), 5) == ["Name three uses of a ring buffer."]
+    lines.write_text(json.dumps({"text": "word " * 400}) + "\n")
+    with pytest.raises(ConfigError, match="context"):
+        text_prompts(cell_for(*base, f"experiment.prompts={lines}"), 5)
+    lines.write_text(json.dumps({"prompt": "no text field"}) + "\n")
+    with pytest.raises(ConfigError, match="text field"):
+        text_prompts(cell_for(*base, f"experiment.prompts={lines}"), 5)
