@@ -22,6 +22,11 @@ Method, per level (``experiment.concurrency``: closed loop, that many requests a
   The server must count exactly the requests AIPerf completed. ``ttft_less_queue_s`` = mean TTFT - mean
   queue seconds: what a request costs once the engine takes it.
 
+Before serving, the bare engine on the run's prompt (the decode experiment's pairs at the server's
+``read_every``: ``bare_decode_tok_s``); per level ``engine_tok_s`` = (N-1) / the mean of the engine's own
+decode seconds inside the server and ``engine_over_bare``, so a reader sees what the load (and AIPerf
+beside it on the same cores) costs the engine itself.
+
 AIPerf runs on the same machine as the engine (its processes are the cell's children: their CPU is the
 cell's own, not contention); its exports are kept beside the evidence (``<sweep>/load-<cell>/<level>/``).
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import statistics
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -38,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
-from decodebench.evidence import Record, scalar
+from decodebench.evidence import Record, samples, scalar
 from experiments import recall_prompts
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
-from experiments.serve import serve_while
+from experiments.serve import bare, check_fit, serve_while
 from serving import aiperf
 
 PROMPT_SOURCES = ("synthetic", "recall")  # or a path to a JSONL file
@@ -197,8 +203,11 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     if reason:
         raise MethodError(reason)
     texts = text_prompts(cell, exp.requests + exp.warmup_requests)
+    (ids,) = check_fit(cell, [cfg.prompt])
     cell.load()
     read_every = max(cfg.read_every, 1)
+    with cell.engine.reading_every(read_every):
+        _, warmup_s, base = bare(cell, ids)
     stem = f"load-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}"
     kept = Path(cfg.evidence_dir) / str(cfg.sweep) / stem
 
@@ -212,7 +221,12 @@ def run(cell: Cell, result: Result | None = None) -> Result:
                                    input_file, exp.slo.ttft_s, exp.slo.tpot_s, exp.seed)  # fmt: skip
             return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
 
-    levels, served, _ = serve_while(cell, None, read_every, clients)
+    levels, served, _ = serve_while(cell, warmup_s, read_every, clients)
+    bare_rate = statistics.median(base.rates) if base.rates else None
+    for level in levels:  # the engine's own decode rate inside the server, against the bare engine's
+        decode_s = level["server"]["decode_s_avg"]
+        level["engine_tok_s"] = (cfg.max_new_tokens - 1) / decode_s if decode_s else None
+        level["engine_over_bare"] = level["engine_tok_s"] / bare_rate if level["engine_tok_s"] and bare_rate else None
     best = max(levels, key=lambda level: level["output_tok_s"])
     result.measurements.update(
         load_s=scalar(cell.load_s, "s"),
@@ -224,6 +238,11 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         ),  # fmt: skip
         max_new_tokens=scalar(cfg.max_new_tokens, "tok"),
     )
+    if base.rates:
+        result.measurements["bare_decode_tok_s"] = samples(
+            base.rates, "tok/s", formula="(N-1)/(T_N-T_1)", read_every=read_every, prompt="the run's prompt"
+        )
+    result.outputs["checks"] = [base.check()]
     result.outputs.update(
         levels=levels,
         read_every=read_every,
@@ -239,5 +258,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         itl_s="AIPerf's inter_chunk_latency: gaps between consecutive chunks, read_every tokens a chunk",
         e2el_s="AIPerf's request_latency: request sent to the last chunk",
         queue_s="server: submit to the engine taking the request (decodebench_queue_seconds)",
+        engine_tok_s="(N-1) / the level's mean decode_s, the engine's own timer inside the server",
+        bare_decode_tok_s="(N-1)/(warm_n_s - warm_1_s) on the run's prompt before serving, at the server's read_every",
     )
     return result

@@ -31,6 +31,8 @@ SERVER_EXPORT = "server_metrics_export.json"
 LATENCIES = {"time_to_first_token": "ttft_s", "inter_token_latency": "tpot_s", "inter_chunk_latency": "itl_s",
              "request_latency": "e2el_s"}  # fmt: skip
 STATS = ("avg", "p50", "p90", "p99", "min", "max")
+# The fewest processes AIPerf will run with, and no probing for GPU telemetry: it shares the engine's cores.
+QUIET = ("--workers-max", "1", "--record-processors", "1", "--no-gpu-telemetry", "--server-metrics-formats", "json")
 
 
 class ToolError(RuntimeError):
@@ -93,7 +95,7 @@ def level_command(url: str, model: str, tokenizer: Path, level: Level, work: Wor
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count", *level.args(),
             "--request-count", str(work.requests), "--warmup-request-count", str(work.warmup),
             "--goodput", goodput, "--random-seed", str(work.seed), "--ui-type", "none",
-            "--artifact-dir", str(out)]  # fmt: skip
+            *QUIET, "--artifact-dir", str(out)]  # fmt: skip
 
 
 def _seconds(block: dict[str, Any]) -> dict[str, float]:

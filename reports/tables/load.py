@@ -9,7 +9,8 @@ import pandas as pd
 LOAD_COLUMNS = ["file", "engine", "model", "synthetic", "device", "level", "mode", "value", "requests", "errors",
                 "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99",
                 "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean",
-                "ttft_less_queue", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
+                "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput", "good_requests", "slo_ttft_s",
+                "slo_tpot_s", "exports"]  # fmt: skip
 
 
 def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -46,6 +47,8 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     "queue_mean": queue["sum"] / queue["count"],
                     "ttft_mean": level["ttft_s"]["avg"],
                     "ttft_less_queue": level["ttft_less_queue_s"],
+                    "engine_tok_s": level.get("engine_tok_s"),
+                    "engine_over_bare": level.get("engine_over_bare"),
                     "goodput": level["goodput_req_s"],
                     "good_requests": level["good_requests"],
                     "slo_ttft_s": out["slo"]["ttft_s"],
