@@ -97,6 +97,11 @@ class Engine(ABC):
         ``config`` is the checkpoint's text config."""
         return None
 
+    def endpoint(self) -> tuple[str, str] | None:
+        """Where an OpenAI-compatible server already serves this engine: its base URL (without ``/v1``) and
+        model id; None for an engine that runs in the cell's process (a load is served by decodebench's server)."""
+        return None
+
     @classmethod
     def local_processes(cls, engine_cfg: Any) -> list[int]:
         """Other processes on this machine that do this engine's work (their CPU is the cell's own, not

@@ -93,6 +93,12 @@ class OpenAIEngine(Engine):
         self.model_id = cfg.model or ids[0]
         self.version = self._version(key)
 
+    def endpoint(self) -> tuple[str, str] | None:
+        if self.ctx.engine_cfg.api_key_env:  # a load generator would need the key on its command line
+            raise ConfigError(f"engine.api_key_env={self.ctx.engine_cfg.api_key_env}: a load generator is not handed "
+                              "an API key (it would show on its command line); measure a keyless endpoint")  # fmt: skip
+        return self.ctx.engine_cfg.url.rstrip("/").removesuffix("/v1"), self.model_id
+
     def _version(self, key: str) -> dict[str, Any] | None:
         """The first version endpoint that answers with JSON, as it answered (None: none does)."""
         root = self.ctx.engine_cfg.url.rstrip("/").removesuffix("/v1")

@@ -7,6 +7,9 @@
 * ``engine.attend=filled``: full-attention layers read only slots ``[0, bucket)``, the filled ones
   rounded up to ``piece * 2**j`` (``bucket_for``), so a short prompt in a large cache does not attend
   over empty slots; each bucket is one more compiled piece or step program, counted in ``buckets``.
+  ``engine.attend=exact``: the filled ones rounded up to whole pieces, one program dynamic in the slot
+  count (TorchDynamo makes it so at the second count; not on a TPU): a long prompt's pieces read half the
+  slots the cache holds on average, against two thirds with power-of-two buckets.
 * ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
   least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
   ``exact`` reads it at its own length (a program per distinct length).
@@ -32,6 +35,7 @@ from tqdm import tqdm
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
 from decodebench.config import Tables, at_least
+from decodebench.device import Device
 from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
@@ -42,10 +46,12 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention buil
 
 class Attend(StrEnum):
     """Which slots the ring's full-attention layers read: every slot of the cache (the article's two
-    programs), or the filled ones rounded up to a bucket (a program per bucket)."""
+    programs), the filled ones rounded up to a bucket (a program per bucket), or the filled ones rounded
+    up to whole pieces (one program whose slot count changes: dynamic shapes, not on a TPU)."""
 
     cache = "cache"
     filled = "filled"
+    exact = "exact"
 
 
 class LastPiece(StrEnum):
@@ -66,7 +72,10 @@ class RingEngineConfig(SteppingEngineConfig):
     looked up packed, as ``table4`` does): the article's notebook 05 ring; ``bf16`` dequantizes it at load.
 
     ``attend=filled``: full-attention layers read only the slots up to the current position, rounded
-    up to ``piece`` times a power of two (one compiled program per bucket used). ``last_piece=bucketed``:
+    up to ``piece`` times a power of two (one compiled program per bucket used); ``attend=exact``: rounded
+    up to whole pieces, in one program made dynamic in the slot count (TorchDynamo's automatic dynamic
+    shapes: a second program the first time the count changes, then no more; refused on a TPU, whose
+    programs have fixed shapes). ``last_piece=bucketed``:
     a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
     """
 
@@ -215,14 +224,24 @@ class RingEngine(SteppingEngine):
     @classmethod
     def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
         """A program per bucket and length: keep them all, never evict (one program per function otherwise)."""
-        if engine_cfg.attend == Attend.filled or engine_cfg.last_piece != LastPiece.padded:
+        if engine_cfg.attend != Attend.cache or engine_cfg.last_piece != LastPiece.padded:
             return {"recompile_limit": MAX_PROGRAMS}
         return {}
+
+    @classmethod
+    def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
+        if run_cfg.engine.attend == Attend.exact and device.kind == "tpu":
+            return ("engine.attend=exact needs a program whose slot count changes from call to call (dynamic "
+                    "shapes); a TPU compiles fixed shapes: engine.attend=filled has a program per bucket")  # fmt: skip
+        return super().unsupported_reason(device, run_cfg)
+
+    def dynamic_shapes(self) -> bool:
+        return self.ctx.engine_cfg.attend == Attend.exact
 
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
-        self.filled = self.ctx.engine_cfg.attend == Attend.filled
+        self.attend = self.ctx.engine_cfg.attend
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
         for layer in self.model.model.layers:
@@ -280,9 +299,14 @@ class RingEngine(SteppingEngine):
         self.fill_to(position + 1, "steps")
 
     def fill_to(self, needed: int, kind: str) -> None:
-        """Sets the slots the next forward reads (``attend=filled``) and counts the forward."""
+        """Sets the slots the next forward reads (``attend=filled`` or ``exact``) and counts the forward."""
         ring = self.ring
-        ring.bucket = bucket_for(needed, ring.piece, ring.full_slots) if self.filled else ring.full_slots
+        if self.attend == Attend.filled:
+            ring.bucket = bucket_for(needed, ring.piece, ring.full_slots)
+        elif self.attend == Attend.exact:
+            ring.bucket = min(ring.full_slots, full_slots(needed, ring.piece))
+        else:
+            ring.bucket = ring.full_slots
         counts = self.buckets.setdefault(ring.bucket, {"pieces": 0, "steps": 0})
         counts[kind] += 1
 

@@ -110,10 +110,17 @@ class SteppingEngine(SteppedEngine):
         return load_model(self.checkpoint, dtype, device, keep, keep_linears=self.int4)
 
     def compile(self, fn: Step) -> Step:
-        """``fn`` compiled once for fixed shapes with the engine's backend (unchanged for backend=none)."""
+        """``fn`` compiled with the engine's backend (unchanged for backend=none): for fixed shapes, or, where
+        ``dynamic_shapes`` says so, made dynamic by TorchDynamo once it sees a second length."""
         if self.backend == "none":
             return fn
-        return torch.compile(fn, backend=self.backend, dynamic=False, fullgraph=self.ctx.engine_cfg.fullgraph)
+        dynamic = None if self.dynamic_shapes() else False
+        return torch.compile(fn, backend=self.backend, dynamic=dynamic, fullgraph=self.ctx.engine_cfg.fullgraph)
+
+    def dynamic_shapes(self) -> bool:
+        """Whether a compiled program may take a dimension that changes from call to call (one program for
+        every length) instead of one program per shape."""
+        return False
 
     def build(self) -> None:
         """Engine-specific set-up after the weights are on the device (caches, module swaps)."""

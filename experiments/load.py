@@ -27,6 +27,10 @@ Before serving, the bare engine on the run's prompt (the decode experiment's pai
 decode seconds inside the server and ``engine_over_bare``, so a reader sees what the load (and AIPerf
 beside it on the same cores) costs the engine itself.
 
+An engine that an OpenAI-compatible server already serves (``engine=openai``: vLLM, SGLang, llama.cpp's server,
+another machine's ``serve.py``) is loaded where it is served: AIPerf drives that endpoint, and the server's
+own figures come only from a decodebench server (another names its metrics its own way: none, said so).
+
 AIPerf runs on the same machine as the engine (its processes are the cell's children: their CPU is the
 cell's own, not contention); its exports are kept beside the evidence (``<sweep>/load-<cell>/<level>/``).
 """
@@ -159,15 +163,15 @@ def held_to_method(level: str, figures: dict[str, Any], n: int) -> None:
     """A level's figures (``serving.aiperf.read_level``) describe the method, or a MethodError says how
     not: at least one request completed, each with exactly ``n`` tokens, and the server's ``/metrics``
     counted exactly the requests AIPerf completed (the two sides describe the same requests)."""
-    tokens, queue = figures["output_tokens"], figures["server"]["queue_s"]
+    tokens, server = figures["output_tokens"], figures["server"]
     if figures["requests"] < 1:
         raise MethodError(f"AIPerf at {level} completed no request ({figures['errors']} errors)")
     if tokens.get("min") != n or tokens.get("max") != n:
         got = f"{tokens.get('min')}-{tokens.get('max')}"
         raise MethodError(f"at {level} requests got {got} tokens each, not exactly {n} (ignore_eos)")
-    if queue["count"] != figures["requests"]:
+    if server is not None and server["queue_s"]["count"] != figures["requests"]:
         raise MethodError(
-            f"at {level} the server's /metrics counted {queue['count']} requests taken by the engine where "
+            f"at {level} the server's /metrics counted {server['queue_s']['count']} requests taken by the engine where "
             f"AIPerf completed {figures['requests']}: the two sides do not describe the same requests"
         )
 
@@ -190,9 +194,10 @@ def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiper
             raise MethodError(f"AIPerf at {level.name}: {exc}") from exc
         files = keep_exports(out, kept / level.name)
     held_to_method(level.name, figures, work.output_tokens)
-    queue = figures["server"]["queue_s"]
+    server = figures["server"]
+    queue = server["queue_s"]["sum"] / server["queue_s"]["count"] if server else None
     return {"level": level.name, "mode": level.mode, "value": level.value, **figures,
-            "ttft_less_queue_s": figures["ttft_s"]["avg"] - queue["sum"] / queue["count"], "files": files,
+            "ttft_less_queue_s": figures["ttft_s"]["avg"] - queue if server else None, "files": files,
             "command": " ".join(command[1:])}  # fmt: skip
 
 
@@ -221,10 +226,15 @@ def run(cell: Cell, result: Result | None = None) -> Result:
                                    input_file, exp.slo.ttft_s, exp.slo.tpot_s, exp.seed)  # fmt: skip
             return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
 
-    levels, served, _ = serve_while(cell, warmup_s, read_every, clients)
+    endpoint = cell.engine.endpoint()
+    if endpoint is not None:  # a server already serves the engine: AIPerf loads it there
+        levels, info = clients(*endpoint, None), cell.engine.describe()
+    else:
+        levels, served, _ = serve_while(cell, warmup_s, read_every, clients)
+        info = served.info
     bare_rate = statistics.median(base.rates) if base.rates else None
     for level in levels:  # the engine's own decode rate inside the server, against the bare engine's
-        decode_s = level["server"]["decode_s_avg"]
+        decode_s = level["server"]["decode_s_avg"] if level["server"] else None
         level["engine_tok_s"] = (cfg.max_new_tokens - 1) / decode_s if decode_s else None
         level["engine_over_bare"] = level["engine_tok_s"] / bare_rate if level["engine_tok_s"] and bare_rate else None
     best = max(levels, key=lambda level: level["output_tok_s"])
@@ -249,7 +259,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         prompts=exp.prompts,
         slo={"ttft_s": exp.slo.ttft_s, "tpot_s": exp.slo.tpot_s},
         exports=f"{cfg.sweep}/{stem}",
-        engine_info=served.info,
+        engine_info=info,
         tool="AIPerf (locks/aiperf.txt, its own environment .venv-aiperf), on this machine beside the engine",
     )
     result.timers.update(

@@ -7,7 +7,8 @@ through its command line and read back through its two JSON exports:
 * ``profile_export_aiperf.json``: the client side, per metric ``avg``/``p50``/``p90``/``p99``/``min``/``max``
   in the metric's display unit (milliseconds for latencies), warm-up requests excluded.
 * ``server_metrics_export.json``: AIPerf's own scrapes of the server's ``/metrics`` during the profiling
-  phase (counters' totals and histograms' count / sum / avg over that phase only).
+  phase (counters' totals and histograms' count / sum / avg over that phase only); decodebench's own
+  figures when the server is decodebench's, else none.
 
 ``level_command`` builds one load level's run; ``read_level`` turns its exports into one record in
 seconds and tokens. AIPerf's names against the ones used here (vLLM's and the serving notes'):
@@ -131,8 +132,6 @@ def read_level(out: Path) -> dict[str, Any]:
 
     errors = sum(int(e.get("count", 1)) for e in client.get("error_summary") or [])
     tokens = client.get("usage_completion_tokens", {})
-    metrics = server["metrics"]
-    queue, read, decode = (_server(metrics, f"decodebench_{n}_seconds")[0] for n in ("queue", "read", "decode"))
     return {
         "aiperf_version": client.get("aiperf_version"),
         "requests": int(value("request_count") or 0),
@@ -146,10 +145,19 @@ def read_level(out: Path) -> dict[str, Any]:
         "output_tokens": {k: tokens[k] for k in ("min", "max") if k in tokens},
         "prompt_tokens": client.get("usage_prompt_tokens", {}).get("avg"),
         **{ours: _seconds(client[theirs]) for theirs, ours in LATENCIES.items() if theirs in client},
-        "server": {
-            "requests": int(sum(s["total"] for s in _server(metrics, "decodebench_requests"))),
-            "queue_s": {"count": int(queue["count"]), "sum": queue["sum"], "avg": queue.get("avg")},
-            "read_s_avg": read.get("avg"),
-            "decode_s_avg": decode.get("avg"),
-        },
+        "server": _decodebench(server["metrics"]),
+    }
+
+
+def _decodebench(metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """decodebench's own figures over the phase, from its ``/metrics`` as AIPerf scraped them; None for a
+    server that is not decodebench's (another endpoint names its metrics its own way)."""
+    if "decodebench_queue_seconds" not in metrics:
+        return None
+    queue, read, decode = (_server(metrics, f"decodebench_{n}_seconds")[0] for n in ("queue", "read", "decode"))
+    return {
+        "requests": int(sum(s["total"] for s in _server(metrics, "decodebench_requests"))),
+        "queue_s": {"count": int(queue["count"]), "sum": queue["sum"], "avg": queue.get("avg")},
+        "read_s_avg": read.get("avg"),
+        "decode_s_avg": decode.get("avg"),
     }

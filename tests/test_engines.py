@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decodebench.device import Device, resolve_device
 from decodebench.layout import bucket_for
 from engines.int4 import Int4Embedding
-from engines.ring import grouped_attention
-from runner import run_cell
-from tests.conftest import opened
+from engines.ring import RingEngine, grouped_attention
+from runner import run_cell, typed_config
+from tests.conftest import make_cfg, opened
 
 COMPILED = ("engine.backend=eager",)
 
@@ -90,7 +91,7 @@ def test_int4_lookup_equals_the_dequantized_table(tiny, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("attend", "last_piece"), [("filled", "padded"), ("cache", "bucketed"), ("filled", "bucketed"), ("cache", "exact")]
+    ("attend", "last_piece"), [("filled", "padded"), ("cache", "bucketed"), ("exact", "bucketed"), ("cache", "exact")]
 )
 def test_ring_reading_only_what_it_needs_writes_the_same_tokens(cell_cfg, tiny, attend, last_piece):
     record = parity(
@@ -110,6 +111,9 @@ def test_ring_reading_only_what_it_needs_writes_the_same_tokens(cell_cfg, tiny, 
     buckets = [int(b) for b in engine["buckets"]]
     if attend == "filled":  # the wrap prompt fills 7 pieces of 32: buckets 32, 64, 128, 256
         assert len(buckets) > 2 and max(buckets) < engine["layout"]["full_slots"]
+    elif attend == "exact":  # whole pieces: 32, 64, ..., 224, and the steps' 224, 256
+        assert buckets == list(range(32, 257, 32))
+        assert engine["graphs"] < len(buckets), "one program for every slot count once it is made dynamic"
     else:
         assert buckets == [engine["layout"]["full_slots"]]
     lengths = [int(n) for n in engine["piece_lengths"]]
@@ -165,3 +169,12 @@ def test_rust_under_defer_and_fuse_needs_a_tpu(cell_cfg, tiny):
     plain = run_cell(cell_cfg("engine=rust", "experiment=decode", "max_new_tokens=3", "repeats=1"))
     assert plain["status"] == "ok", plain["reason"]
     assert plain["engine"]["torch_tpu_defer_and_fuse"] == "0" and plain["engine"]["mode"] == "eager"
+
+
+def test_a_ring_with_a_dynamic_slot_count_is_refused_on_a_tpu_and_runs_elsewhere():
+    run = typed_config(make_cfg("engine=ring", "engine.attend=exact"))
+    tpu = Device(kind="tpu", name="a TPU", torch_device=torch.device("cpu"))
+    assert "fixed shapes" in RingEngine.unsupported_reason(tpu, run)
+    assert RingEngine.unsupported_reason(resolve_device("cpu", "torch"), run) is None
+    bucketed = typed_config(make_cfg("engine=ring", "engine.attend=filled"))
+    assert RingEngine.unsupported_reason(tpu, bucketed) is None

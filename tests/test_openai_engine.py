@@ -59,8 +59,9 @@ def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_c
     parity = run_cell(cell_cfg("engine=openai", f"engine.url={endpoint['url']}/v1", "experiment=parity"))
     assert parity["status"] == "skipped" and "cannot return every logit of a position" in parity["reason"]
     nobody = run_cell(cell_cfg("engine=openai", "engine.url=http://127.0.0.1:9/v1", "experiment=decode"))
-    assert nobody["status"] == "skipped" and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (
-        nobody["reason"]
+    assert (
+        nobody["status"] == "skipped"
+        and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (nobody["reason"])
     )
 
 
@@ -73,6 +74,7 @@ def test_an_endpoint_on_this_machine_works_on_the_cells_cpu_not_as_contention():
     burner = subprocess.Popen([sys.executable, "-c", listen_and_burn], stdout=subprocess.PIPE, text=True)
     try:
         port = int(burner.stdout.readline())
+
         def endpoint(host: str) -> OpenAIEngineConfig:
             return OpenAIEngineConfig(name="openai", url=f"http://{host}:{port}/v1")
 
@@ -87,3 +89,19 @@ def test_an_endpoint_on_this_machine_works_on_the_cells_cpu_not_as_contention():
     (counted,) = measured["own_processes"]
     assert counted["pid"] == burner.pid and counted["cpu_s"] > 0.5
     assert measured["other_cpu_s"] < other["other_cpu_s"] - 0.5 * counted["cpu_s"]
+
+
+@pytest.mark.slow
+def test_a_load_on_an_endpoint_is_driven_where_it_is_served(cell_cfg, endpoint, monkeypatch):
+    url = f"{endpoint['url']}/v1"
+    load = ("experiment=load", "experiment.concurrency=[2]", "experiment.requests=3", "experiment.warmup_requests=1",
+            "experiment.prompt_tokens=24", "max_new_tokens=8", "repeats=2")  # fmt: skip
+    record = run_cell(cell_cfg("engine=openai", f"engine.url={url}", *load))
+    assert record["status"] == "ok", record["reason"]
+    (level,) = record["outputs"]["levels"]
+    assert f"--url {endpoint['url']} " in level["command"], "AIPerf drives the endpoint itself, not a new server"
+    assert level["requests"] == level["server"]["requests"] == 3, "the endpoint is decodebench's: its own counts"
+    assert record["outputs"]["engine_info"]["url"] == url
+    monkeypatch.setenv("DECODEBENCH_TEST_KEY", SECRET)
+    keyed = run_cell(cell_cfg("engine=openai", f"engine.url={url}", "engine.api_key_env=DECODEBENCH_TEST_KEY", *load))
+    assert keyed["status"] == "failed" and "not handed an API key" in keyed["reason"]

@@ -22,7 +22,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
             continue
         out = data["outputs"]
         for level in out["levels"]:
-            queue = level["server"]["queue_s"]
+            server = level["server"]
             rows.append(
                 {
                     "file": file,
@@ -44,7 +44,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                         for name in ("ttft", "tpot", "itl", "e2el")
                         for p in ("p50", "p90", "p99")
                     },  # fmt: skip
-                    "queue_mean": queue["sum"] / queue["count"],
+                    "queue_mean": server["queue_s"]["sum"] / server["queue_s"]["count"] if server else None,
                     "ttft_mean": level["ttft_s"]["avg"],
                     "ttft_less_queue": level["ttft_less_queue_s"],
                     "engine_tok_s": level.get("engine_tok_s"),
