@@ -70,6 +70,7 @@ class Engine(ABC):
     splits_phases: ClassVar[bool] = False  # True: generate() fills Generation.read_s and decode_s
     scores_prompt: ClassVar[bool] = False  # True: prompt_logits() reads a prompt's logits at every position
     returns_logits: ClassVar[bool] = True  # False: generate(return_logits=True) cannot be answered (no parity)
+    top_logprobs_k: ClassVar[int] = 0  # > 0: top_logprobs returns this many log-probabilities a position
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
     def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -96,6 +97,11 @@ class Engine(ABC):
         """Why this engine cannot hold the prompt plus its new tokens by design (``skipped``), or None;
         ``config`` is the checkpoint's text config."""
         return None
+
+    def top_logprobs(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+        """Greedy tokens and, at each, the ``top_logprobs_k`` best ids with their log-probabilities: what an
+        engine that cannot return every logit (``returns_logits=False``) gives parity instead."""
+        raise EngineLimit(f"engine {self.name} returns no top log-probabilities")
 
     def endpoint(self) -> tuple[str, str] | None:
         """Where an OpenAI-compatible server already serves this engine: its base URL (without ``/v1``) and

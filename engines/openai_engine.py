@@ -17,8 +17,9 @@ decodebench's own ``serve.py``), by the same experiments as the in-process engin
   endpoint that answers.
 * An endpoint on this machine (a loopback URL) works on the cell's cores: the processes listening on its port
   and their workers count as the cell's own CPU, not contention (``environment.contention.own_processes``).
-* Parity needs every logit of a position; an endpoint returns at most a few log-probabilities, so a parity
-  cell is ``skipped`` with that reason.
+* Parity needs every logit of a position; an endpoint returns at most five log-probabilities, so parity
+  compares what it returns (``top_logprobs``): the greedy tokens, and a KL restricted to the endpoint's five
+  ids at each position (both sides renormalized over them), stated as such.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class OpenAIEngine(Engine):
     name = "openai"
     config = OpenAIEngineConfig
     returns_logits = False
+    top_logprobs_k = 5  # OpenAI's most for completions
 
     @classmethod
     def local_processes(cls, engine_cfg: Any) -> list[int]:
@@ -135,6 +137,21 @@ class OpenAIEngine(Engine):
                 if ids and not on_tokens(ids):
                     break  # leaving the block closes the stream: the server cancels the decode
         return Generation(tokens)
+
+    def top_logprobs(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+        """One non-streamed request asking for ``logprobs=5`` with each token named by its id (vLLM's
+        ``return_tokens_as_token_ids``): the tokens and, at each, the five best ids with their log-probabilities."""
+        exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True,
+                 "return_tokens_as_token_ids": True}  # fmt: skip
+        choice = self.client.completions.create(
+            model=self.model_id, prompt=prompt_ids, max_tokens=max_new_tokens, temperature=0,
+            logprobs=self.top_logprobs_k, extra_body=exact,
+        ).choices[0]  # fmt: skip
+        rows = choice.logprobs.top_logprobs if choice.logprobs else None
+        if not rows or not all(key.startswith("token_id:") for row in rows for key in row):
+            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} did not name its log-probabilities' tokens "
+                               "by id (vLLM's return_tokens_as_token_ids): they cannot be compared by id")  # fmt: skip
+        return self._ids(choice), [{int(k.removeprefix("token_id:")): lp for k, lp in row.items()} for row in rows]
 
     def _ids(self, choice: Any) -> list[int]:
         """A choice's token ids; a choice that carries text without them cannot be read as ids."""

@@ -24,7 +24,7 @@ from decodebench.layout import ring_slots
 from engines.base import EngineLimit
 from engines.generate import greedy_generate
 from engines.steps import SteppedEngine
-from experiments.cell import Cell, expect_tokens
+from experiments.cell import Cell, MethodError, expect_tokens
 from experiments.common import Result, quiet
 
 
@@ -50,6 +50,7 @@ class ParityExperimentConfig(ExperimentConfig):
 def headline(record: Record) -> str:
     """The cell's one line: the parity verdict."""
     return f"parity {record.outputs['verdict']}"
+
 
 LONG_SENTENCE = "The tide rolls over the reef, and the gulls count the waves until the evening light fades. "
 
@@ -90,6 +91,42 @@ def compare(
         "top5_engine": eng_logits[0].topk(5).indices.tolist(),
         "reference_ids": ref_ids,
         "engine_ids": eng_ids,
+        "verdict": "pass" if verdict else "fail",
+    }
+
+
+def compare_top(
+    ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], tops: list[dict[int, float]], bounds: Any
+) -> dict[str, Any]:
+    """An engine that returns only its top-k log-probabilities (an endpoint): greedy tokens equal, and at each
+    position up to the first differing token KL(reference || engine) restricted to the engine's k ids, both
+    distributions renormalized over them (a lower bound on nothing: a figure of its own, so named)."""
+    n = len(ref_ids)
+    first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
+    upto = n if first_diff is None else first_diff + 1
+    kl, top1 = [], 0
+    for row, top in zip(ref_logits[:upto], tops[:upto], strict=True):
+        ids = list(top)
+        p = torch.log_softmax(row.double(), dim=-1)[ids]
+        q = torch.tensor([top[i] for i in ids], dtype=torch.float64)
+        p, q = p - torch.logsumexp(p, 0), q - torch.logsumexp(q, 0)
+        kl.append(float((p.exp() * (p - q)).sum().clamp_min(0)))
+        top1 += max(top, key=top.get) == int(row.argmax())
+    tokens_ok = first_diff is None or not bounds.all_tokens
+    verdict = tokens_ok and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
+    return {
+        "tokens_equal": n if first_diff is None else first_diff,
+        "max_new_tokens": n,
+        "first_difference": first_diff,
+        "top1_same": top1,
+        "topk": len(tops[0]),
+        "topk_kl_mean": sum(kl) / len(kl),
+        "topk_kl_max": max(kl),
+        "topk_kl_per_position": kl,
+        "reference_ids": ref_ids,
+        "engine_ids": eng_ids,
+        "definition": "KL(Transformers || engine) over the engine's top-k ids at each position, both renormalized "
+        "over them, up to the first differing token",
         "verdict": "pass" if verdict else "fail",
     }
 
@@ -151,10 +188,32 @@ def sequence_kl(engine: Any, ids: list[int], ref: Reference, result: Result) -> 
     )
 
 
+def top_parity(cell: Cell, name: str, ids: list[int], ref: Reference, result: Result) -> dict[str, Any]:
+    """``compare_top`` for an engine that returns its top log-probabilities only; its measurements."""
+    n, bounds = cell.cfg.max_new_tokens, cell.cfg.experiment
+    tokens, tops = cell.engine.top_logprobs(ids, n)
+    if len(tokens) != n or len(tops) != n:
+        raise MethodError(f"engine {cell.engine.name} returned {len(tokens)} tokens and {len(tops)} positions of "
+                          f"log-probabilities where {n} were asked")  # fmt: skip
+    got = compare_top(ref.tokens, ref.logits, tokens, tops, bounds)
+    prefix = "parity" if name == "prompt" else f"parity_{name}"
+    topk = f"top-{got['topk']}: {got['definition']}"
+    result.measurements.update(
+        {
+            f"{prefix}_tokens_equal": scalar(got["tokens_equal"], "tok", of=n),
+            f"{prefix}_top1_same": scalar(got["top1_same"], "positions", of=len(got["topk_kl_per_position"])),
+            f"{prefix}_topk_kl_mean": scalar(got["topk_kl_mean"], "nats", bound=bounds.kl_mean, definition=topk),
+            f"{prefix}_topk_kl_max": scalar(got["topk_kl_max"], "nats", bound=bounds.kl_max, definition=topk),
+            f"{prefix}_prompt_tokens": scalar(len(ids), "tok"),
+        }
+    )
+    return {"status": "ok", "prompt_tokens": len(ids), **got}
+
+
 def run(cell: Cell) -> Result:
     cfg, opened = cell.cfg, cell.opened
-    if not opened.cls.returns_logits:  # before the reference is computed: nothing to compare it with
-        raise EngineLimit(f"engine {opened.name} cannot return every logit of a position, which parity compares")
+    if not opened.cls.returns_logits and not opened.cls.top_logprobs_k:  # nothing to compare the reference with
+        raise EngineLimit(f"engine {opened.name} returns neither every logit of a position nor its top ones")
     n = cfg.max_new_tokens
     candidates = {"prompt": opened.encode(cfg.prompt)}
     window, piece = opened.checkpoint.config.sliding_window, cfg.experiment.wrap_piece
@@ -172,6 +231,9 @@ def run(cell: Cell) -> Result:
     reference = reference_outputs(cell, prompts, n)
     cell.load()
     for name, ids in prompts.items():
+        if not opened.cls.returns_logits:
+            result.outputs[name] = top_parity(cell, name, ids, reference[name], result)
+            continue
         gen = cell.call(ids, n, return_logits=True)
         ref = reference[name]
         got = compare(ref.tokens, ref.logits, gen.tokens, gen.logits, cfg.experiment)
@@ -183,8 +245,10 @@ def run(cell: Cell) -> Result:
                 f"{prefix}_kl_mean": scalar(got["kl_mean"], "nats", bound=cfg.experiment.kl_mean),
                 f"{prefix}_kl_max": scalar(got["kl_max"], "nats", bound=cfg.experiment.kl_max),
                 f"{prefix}_first_token_kl": scalar(
-                    got["kl_per_position"][0], "nats", definition="KL(Transformers || engine) of the first generated "
-                    "token's distribution: the Rust article's parity figure (1.078e-05, Rust against Transformers)"
+                    got["kl_per_position"][0],
+                    "nats",
+                    definition="KL(Transformers || engine) of the first generated "
+                    "token's distribution: the Rust article's parity figure (1.078e-05, Rust against Transformers)",
                 ),
                 f"{prefix}_prompt_tokens": scalar(len(ids), "tok"),
             }

@@ -6,7 +6,9 @@ Every field a client sends is one of four kinds, and nothing is dropped silently
   joined), ``prompt`` (a string, strings, token ids, lists of token ids), ``max_tokens``,
   ``max_completion_tokens``, ``stream``, ``stream_options.include_usage``, ``stop``, ``logprobs``,
   ``top_logprobs``, ``echo``; and vLLM's ``ignore_eos``, ``min_tokens`` and ``return_token_ids`` (each
-  choice, and each streamed chunk, carries the ``token_ids`` it holds: how ``engine=openai`` reads tokens);
+  choice, and each streamed chunk, carries the ``token_ids`` it holds: how ``engine=openai`` reads tokens),
+  ``return_tokens_as_token_ids`` (log-probabilities name each token ``token_id:<id>``, not by its text, so
+  two ids with the same text stay apart: how ``engine=openai``'s parity reads them);
 * accepted only at a value that describes what this server does (greedy decoding, one reply, plain
   text): ``temperature`` 0, ``top_p`` 1, ``n`` 1, ``best_of`` 1, penalties 0, ``response_format``
   text, no ``tools``, ``tool_choice`` "none", ...; any other value is refused by name, with why;
@@ -115,6 +117,7 @@ class Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     seed: int | None = None
     user: str | None = None
     temperature: Temperature = None

@@ -274,18 +274,19 @@ def create_app(
         prompt, completion = sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def logprobs(kind: str, reply: Reply) -> dict[str, Any] | None:
-        """The reply's log-probabilities in its endpoint's shape (None: not asked, or no decode to score)."""
+    def logprobs(kind: str, reply: Reply, as_ids: bool) -> dict[str, Any] | None:
+        """The reply's log-probabilities in its endpoint's shape (None: not asked, or no decode to score);
+        ``as_ids``: each token named by its id (``return_tokens_as_token_ids``)."""
         record = reply.record
         if record.scores is None:
             return None
         if kind == "chat":
-            return tokens.chat(record.scores)
+            return tokens.chat(record.scores, as_ids)
         unscored, scores, offsets = [], record.scores, reply.text.offsets
         if record.prompt_scores is not None:  # echo: the prompt's first token, the rest of it, then the reply
             unscored, scores = reply.job.prompt_ids[:1], record.prompt_scores + scores
             offsets = reply.echo_offsets + [len(reply.echo) + o for o in offsets]
-        return tokens.completion(unscored, scores, offsets)
+        return tokens.completion(unscored, scores, offsets, as_ids)
 
     def choice(kind: str, index: int, text: str, finish: str | None, scored: dict[str, Any] | None,
                final: bool, ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -316,7 +317,7 @@ def create_app(
                 raise APIError(500, f"the engine failed: {failed.error}", code="engine_error")
             timers = records[0].extension() if len(records) == 1 else {"prompts": [r.extension() for r in records]}
             choices = [choice(kind, r.index, r.echo + r.text.reply, r.record.finish,
-                              await asyncio.to_thread(logprobs, kind, r), final=True,
+                              await asyncio.to_thread(logprobs, kind, r, body.return_tokens_as_token_ids), final=True,
                               ids=r.text.tokens if body.return_token_ids else None) for r in replies]  # fmt: skip
             return JSONResponse({**head(kind, jobs[0]), "object": "chat.completion" if kind == "chat" else
                                  "text_completion", "choices": choices, "usage": usage(records),
@@ -337,8 +338,8 @@ def create_app(
                         yield sse({**top, "decodebench": {"tokens": len(batch)},
                                    "choices": [choice(kind, reply.index, delta, None, None, False, ids)]})  # fmt: skip
                     record = reply.record
-                    last = choice(kind, reply.index, reply.text.visible(final=True), record.finish,
-                                  await asyncio.to_thread(logprobs, kind, reply), False)  # fmt: skip
+                    scored = await asyncio.to_thread(logprobs, kind, reply, body.return_tokens_as_token_ids)
+                    last = choice(kind, reply.index, reply.text.visible(final=True), record.finish, scored, False)
                     final = {**top, "decodebench": {**record.extension(), **extra}, "choices": [last]}
                     if record.finish == "error":
                         final["error"] = {"message": record.error, "type": "server_error"}

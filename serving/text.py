@@ -168,24 +168,31 @@ class TokenText:
         fallback = BYTE_PIECE.fullmatch(piece)
         return [int(fallback[1], 16)] if fallback else list(self.text(token).encode())
 
-    def entry(self, token: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.text(token), "logprob": logprob, "bytes": self.bytes(token)}
+    def name(self, token: int, as_ids: bool) -> str:
+        """How log-probabilities name a token: its text, or (vLLM's ``return_tokens_as_token_ids``) its id."""
+        return f"token_id:{token}" if as_ids else self.text(token)
 
-    def chat(self, scores: Scores) -> dict[str, Any]:
+    def entry(self, token: int, logprob: float, as_ids: bool = False) -> dict[str, Any]:
+        return {"token": self.name(token, as_ids), "logprob": logprob, "bytes": self.bytes(token)}
+
+    def chat(self, scores: Scores, as_ids: bool = False) -> dict[str, Any]:
         """``choices[].logprobs`` of a chat completion: ``content[]`` with each token's top alternatives."""
         rows = zip(scores.ids, scores.logprobs, scores.top_ids, scores.top_logprobs, strict=True)
         content = [
-            {**self.entry(token, logprob), "top_logprobs": [self.entry(t, lp) for t, lp in zip(ids, lps, strict=True)]}
+            {**self.entry(token, logprob, as_ids),
+             "top_logprobs": [self.entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
             for token, logprob, ids, lps in rows
-        ]
+        ]  # fmt: skip
         return {"content": content, "refusal": None}
 
-    def completion(self, unscored: list[int], scores: Scores, offsets: list[int]) -> dict[str, Any]:
+    def completion(
+        self, unscored: list[int], scores: Scores, offsets: list[int], as_ids: bool = False
+    ) -> dict[str, Any]:
         """``choices[].logprobs`` of a completion: ``unscored`` tokens first (an echoed prompt's first
         token, which nothing predicts: null, as OpenAI gives it), then the scored ones;
         ``offsets``: each token's start in the choice's text."""
-        top = [{self.text(t): lp for t, lp in zip(ids, lps, strict=True)}
+        top = [{self.name(t, as_ids): lp for t, lp in zip(ids, lps, strict=True)}
                for ids, lps in zip(scores.top_ids, scores.top_logprobs, strict=True)]  # fmt: skip
-        return {"tokens": [self.text(t) for t in unscored + scores.ids],
+        return {"tokens": [self.name(t, as_ids) for t in unscored + scores.ids],
                 "token_logprobs": [None] * len(unscored) + scores.logprobs,
                 "top_logprobs": [None] * len(unscored) + top, "text_offset": offsets}  # fmt: skip

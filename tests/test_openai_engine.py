@@ -4,15 +4,18 @@ ring, started by the test), by the same experiments as the in-process engines.""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from decodebench.environment import Contention
 from engines.openai_engine import OpenAIEngine, OpenAIEngineConfig
+from experiments.parity import compare_top
 from runner import run_cell
 from tests.conftest import opened
 from tests.test_serve import serving_engine
@@ -55,9 +58,19 @@ def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, 
         engine._ids(SimpleNamespace(model_extra={}, text="the tide"))
 
 
-def test_parity_is_skipped_for_want_of_logits_and_a_silent_url_is_skipped(cell_cfg, endpoint):
-    parity = run_cell(cell_cfg("engine=openai", f"engine.url={endpoint['url']}/v1", "experiment=parity"))
-    assert parity["status"] == "skipped" and "cannot return every logit of a position" in parity["reason"]
+def test_parity_reads_the_endpoints_top_logprobs_by_id_and_a_silent_url_is_skipped(cell_cfg, endpoint):
+    url = f"{endpoint['url']}/v1"
+    parity = run_cell(
+        cell_cfg("engine=openai", f"engine.url={url}", "experiment=parity-bf16", "max_new_tokens=6", "context=256")
+    )
+    assert parity["status"] == "ok", parity["reason"]
+    out = parity["outputs"]["prompt"]
+    assert out["topk"] == 5 and out["engine_ids"] == out["reference_ids"] and out["first_difference"] is None
+    assert out["top1_same"] == 6 and parity["measurements"]["parity_topk_kl_max"]["value"] < 1e-3
+    assert (
+        parity["outputs"]["verdict"] == "pass"
+        and "top-5" in parity["measurements"]["parity_topk_kl_mean"]["definition"]
+    )
     nobody = run_cell(cell_cfg("engine=openai", "engine.url=http://127.0.0.1:9/v1", "experiment=decode"))
     assert (
         nobody["status"] == "skipped"
@@ -105,3 +118,15 @@ def test_a_load_on_an_endpoint_is_driven_where_it_is_served(cell_cfg, endpoint, 
     monkeypatch.setenv("DECODEBENCH_TEST_KEY", SECRET)
     keyed = run_cell(cell_cfg("engine=openai", f"engine.url={url}", "engine.api_key_env=DECODEBENCH_TEST_KEY", *load))
     assert keyed["status"] == "failed" and "not handed an API key" in keyed["reason"]
+
+
+def test_a_top_k_kl_renormalizes_both_sides_over_the_engines_ids():
+    """By hand: the reference gives ids 0 and 1 probabilities 0.4 and 0.2 (2/3 and 1/3 over the two), the
+    engine 0.3 and 0.3 (1/2 each): KL = 2/3 ln(4/3) + 1/3 ln(2/3) = 0.0566 nats; the same top-1 (id 0)."""
+    reference = torch.log(torch.tensor([[0.4, 0.2, 0.3, 0.1]]))
+    bounds = SimpleNamespace(all_tokens=True, kl_mean=1e-3, kl_max=1e-3)
+    got = compare_top([0], reference, [0], [{0: math.log(0.3), 1: math.log(0.3)}], bounds)
+    assert got["topk_kl_max"] == pytest.approx(2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3))
+    assert got["verdict"] == "fail" and got["top1_same"] == 1 and got["first_difference"] is None
+    same = compare_top([0], reference, [0], [{0: math.log(0.4), 1: math.log(0.2)}], bounds)
+    assert same["topk_kl_max"] == pytest.approx(0.0, abs=1e-12) and same["verdict"] == "pass"

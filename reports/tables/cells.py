@@ -141,6 +141,7 @@ _COLUMNS = [
     "parity_first_difference",
     "parity_kl_mean",
     "parity_kl_max",
+    "parity_kl_over",
     "parity_top5_same",
     "parity_verdict",
     "parity_bounds",
@@ -247,9 +248,12 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "graph_breaks": r.engine.get("graph_breaks"),
         "parity_tokens_equal": None if parity is None else parity["tokens_equal"],
         "parity_first_difference": None if parity is None else parity["first_difference"],
-        "parity_kl_mean": None if parity is None else parity["kl_mean"],
-        "parity_kl_max": None if parity is None else parity["kl_max"],
-        "parity_top5_same": None if parity is None else parity["top5_engine"] == parity["top5_reference"],
+        "parity_kl_mean": None if parity is None else parity.get("kl_mean", parity.get("topk_kl_mean")),
+        "parity_kl_max": None if parity is None else parity.get("kl_max", parity.get("topk_kl_max")),
+        "parity_kl_over": None if parity is None or "kl_mean" in parity else f"top-{parity['topk']} ids",
+        "parity_top5_same": None
+        if parity is None or "top5_engine" not in parity
+        else parity["top5_engine"] == parity["top5_reference"],
         "parity_verdict": r.outputs.get("verdict"),
         "parity_bounds": parity_bounds(cfg),
         "checks": r.outputs.get("checks"),
