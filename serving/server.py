@@ -256,7 +256,7 @@ def create_app(
                 raise APIError(400, f"min_tokens={body.min_tokens} is more than the {budget} tokens this reply may "
                                "have (max_tokens, or what the cache holds after the prompt)", param="min_tokens",
                                code="invalid_value")  # fmt: skip
-            jobs.append(Job(ids, budget, kind, loop, rule, body.top_k, score_prompt))
+            jobs.append(Job(ids, budget, kind, loop, rule, body.top_k, score_prompt, stream=body.stream))
         waiting = worker.jobs.qsize()
         after = waiting + len(jobs) - (0 if worker.busy else 1)  # an idle engine takes the first job at once
         if after > settings.max_queue:

@@ -69,7 +69,8 @@ class Metrics:
 class Job:
     """One prompt for the engine: its ids, the token budget, where the reply ends (``rule``), how many
     alternatives per position its log-probabilities carry (``logprobs``; None: none asked), whether the
-    prompt is scored too (``score_prompt``, an echo), and where its events go."""
+    prompt is scored too (``score_prompt``, an echo), whether its client reads tokens as they come
+    (``stream``; else its tokens go to the event loop once, at the end), and where its events go."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -78,6 +79,7 @@ class Job:
     rule: StopRule
     logprobs: int | None = None
     score_prompt: bool = False
+    stream: bool = True
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: uuid4().hex[:24])
@@ -180,7 +182,8 @@ class EngineWorker:
             stop = next((i for i, t in enumerate(batch) if ends(t)), None)
             kept = batch if stop is None else batch[: stop + 1]
             sent.extend(kept)
-            job.send(kept)
+            if job.stream:  # a client that waits for the whole reply wakes the event loop once, not per batch
+                job.send(kept)
             if stop is not None:
                 finish = "stop"
                 return False
@@ -194,6 +197,8 @@ class EngineWorker:
                     gen = self.engine.generate(job.prompt_ids, job.max_tokens, on_tokens=on_tokens,
                                                return_logits=job.logprobs is not None)  # fmt: skip
                 read_s, decode_s, made = gen.read_s, gen.decode_s, len(gen.tokens)
+                if not job.stream and sent:
+                    job.send(sent)
                 if finish != "cancelled":
                     scores = self.score(job, gen, sent)
             except Exception as exc:  # the server keeps serving; the client gets the reason
