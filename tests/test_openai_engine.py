@@ -130,3 +130,21 @@ def test_a_top_k_kl_renormalizes_both_sides_over_the_engines_ids():
     assert got["verdict"] == "fail" and got["top1_same"] == 1 and got["first_difference"] is None
     same = compare_top([0], reference, [0], [{0: math.log(0.4), 1: math.log(0.2)}], bounds)
     assert same["topk_kl_max"] == pytest.approx(0.0, abs=1e-12) and same["verdict"] == "pass"
+
+
+@pytest.mark.slow
+def test_recall_and_serve_cells_run_through_the_endpoint(cell_cfg, endpoint):
+    url = f"{endpoint['url']}/v1"
+    recall = run_cell(cell_cfg("engine=openai", f"engine.url={url}", "experiment=recall", "max_new_tokens=8",
+                               "context=256"))  # fmt: skip
+    assert recall["status"] == "ok", recall["reason"]
+    (ran,) = [r for r in recall["outputs"]["recall"] if r["status"] == "ok"]
+    assert ran["prompt_tokens"] <= 256 - 8
+    assert ran["method"].startswith("generate(1) for read_s"), "an endpoint's call does not split its phases"
+    assert recall["measurements"][f"recall_{ran['target_tokens']}_read_tok_s"]["n"] == ran["repeats"]
+    serve = run_cell(cell_cfg("engine=openai", f"engine.url={url}", "experiment=serve", "max_new_tokens=12",
+                              "context=256", "experiment.requests=2", "experiment.prompts=[Describe a lighthouse.]",
+                              "experiment.cancel_after=3", "experiment.screenshot=false"))  # fmt: skip
+    assert serve["status"] == "ok", serve["reason"]
+    assert serve["measurements"]["served_tokens"]["values"] == [12, 12]
+    assert serve["outputs"]["cancel"]["counter_after"] == serve["outputs"]["cancel"]["counter_before"] + 1
