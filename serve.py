@@ -36,14 +36,14 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Loads the engine on this (main) thread, warms it up, serves until Ctrl-C or SIGTERM."""
-    fast = serving_settings(cfg.engine, list(HydraConfig.get().overrides.task), cfg.get("way"))
-    for key, value in fast.items():
-        OmegaConf.update(cfg, key, value)
     try:
+        device = resolve_device(cfg.device.kind, engine_class(cfg.engine.name).framework)
+        fast = serving_settings(cfg.engine, list(HydraConfig.get().overrides.task), cfg.get("way"), device.kind)
+        for key, value in fast.items():
+            OmegaConf.update(cfg, key, value)
         run = typed_config(cfg)
-        device = resolve_device(run.device.kind, engine_class(run.engine.name).framework)
         opened = open_engine(run, device)
-    except (ConfigError, EngineLimit) as exc:
+    except (ConfigError, EngineLimit, KeyError) as exc:
         sys.exit(f"engine {cfg.engine.name} cannot serve here: {exc}")
     read_every = max(run.read_every, 1)  # a server streams: every batch of read_every tokens goes out at once
     with quiet():

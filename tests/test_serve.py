@@ -280,8 +280,8 @@ def test_the_cli_serves_until_interrupted(cache_dir, tiny):
         health = httpx.get(f"{url}/health", timeout=10).json()
         info = httpx.get(f"{url}/v1/engine").json()
         assert health["engine"] == "ring" and info["warmup_s"] > 0
-        assert (info["layout"]["attend"], info["layout"]["last_piece"]) == ("filled", "exact"), "the server's defaults"
-        assert "serving defaults engine.last_piece=exact engine.attend=filled" in line
+        assert (info["layout"]["attend"], info["layout"]["last_piece"]) == ("exact", "exact"), "the server's defaults"
+        assert "serving defaults engine.last_piece=exact engine.attend=exact" in line
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -351,7 +351,8 @@ def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg,
 
 def test_the_servers_defaults_apply_where_the_engine_has_them_and_nothing_sets_them():
     ring, rust = make_cfg("engine=ring").engine, make_cfg("engine=rust").engine
-    assert serving_settings(ring, [], None) == {"engine.last_piece": "exact", "engine.attend": "filled"}
-    assert serving_settings(ring, ["engine.attend=cache"], None) == {"engine.last_piece": "exact"}
-    assert serving_settings(ring, [], "nb05/ring-33k") == {}, "a way is served as the article ran it"
-    assert serving_settings(rust, [], None) == {}  # the Rust engine has neither setting
+    assert serving_settings(ring, [], None, "cpu") == {"engine.last_piece": "exact", "engine.attend": "exact"}
+    assert serving_settings(ring, [], None, "tpu") == {"engine.last_piece": "exact", "engine.attend": "filled"}
+    assert serving_settings(ring, ["engine.attend=cache"], None, "cpu") == {"engine.last_piece": "exact"}
+    assert serving_settings(ring, [], "nb05/ring-33k", "cpu") == {}, "a way is served as the article ran it"
+    assert serving_settings(rust, [], None, "cpu") == {}  # the Rust engine has neither setting
