@@ -13,6 +13,10 @@
 * ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
   least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
   ``exact`` reads it at its own length (a program per distinct length).
+* A piece whose last row is a prompt token (every piece but a padded last one) asks Transformers for that row
+  alone (``logits_to_keep=1``), and Transformers then runs only that row through the KV-shared layers, which
+  write no keys or values (on E2B the last 20 of 35, with double-wide MLPs); the article's layout
+  (``attend=cache last_piece=padded``) keeps its two programs and runs every row through every layer.
 * A decode step folds the query heads that share a K/V head into the query length
   (``grouped_attention``): the same products as ``enable_gqa``, as one matrix product per K/V head.
   A prompt piece keeps ``enable_gqa``: folding 256 queries would repeat its mask G times.
@@ -114,7 +118,7 @@ class RingCache:
         self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
         self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin()
-        self.folded: dict[tuple[bool, int], torch.Tensor] = {}  # (sliding, query groups) -> [G*S, slots]
+        self.folded: dict[tuple[bool, int, int], torch.Tensor] = {}  # (sliding, groups, rows) -> [G*rows, slots]
         self.bucket = self.full_slots  # full-layer slots the next forward reads (a host int: one program each)
 
     def nbytes(self) -> int:
@@ -159,15 +163,17 @@ class RingCache:
             return self.k[src], self.v[src]
         return self.k[src][:, :, : self.bucket], self.v[src][:, :, : self.bucket]
 
-    def mask(self, layer: int, groups: int) -> torch.Tensor:
-        """The [groups * S, slots] mask of the keys each query may see, for queries folded ``groups``
-        to a K/V head (built once per forward and shared by the layers of the same type)."""
+    def mask(self, layer: int, groups: int, rows: int) -> torch.Tensor:
+        """The [groups * rows, slots] mask of the keys the forward's last ``rows`` queries may see (a KV-shared
+        layer may see only the last one: Transformers drops the rest before those layers), folded ``groups``
+        to a K/V head; built once per forward and shared by the layers of the same type."""
         sliding = self.sliding[layer]
-        if groups == 1:
-            return self.masks[sliding]
-        if (sliding, groups) not in self.folded:
-            self.folded[sliding, groups] = self.masks[sliding].repeat(groups, 1)
-        return self.folded[sliding, groups]
+        full = self.masks[sliding]
+        if groups == 1 and rows == full.shape[0]:
+            return full
+        if (sliding, groups, rows) not in self.folded:
+            self.folded[sliding, groups, rows] = full[-rows:].repeat(groups, 1)
+        return self.folded[sliding, groups, rows]
 
 
 def ring_attention(
@@ -190,10 +196,10 @@ def ring_attention(
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
     keys, values = ring.read(self.layer_idx)
     if seq == 1:  # a decode step: fold the query heads (for a piece the G-times larger mask costs more)
-        keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1])
+        keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1], seq)
         out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
     else:
-        keep = ring.mask(self.layer_idx, 1)
+        keep = ring.mask(self.layer_idx, 1, seq)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=keep[None, None], scale=self.scaling, enable_gqa=True
         )
@@ -242,6 +248,9 @@ class RingEngine(SteppingEngine):
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         self.attend = self.ctx.engine_cfg.attend
+        # the article's two programs (every piece padded, every slot read) keep one piece program: every row
+        # of a piece goes through every layer there, as the article's ring does
+        self.article_layout = self.attend == Attend.cache and self.ctx.engine_cfg.last_piece == LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
         for layer in self.model.model.layers:
@@ -255,19 +264,23 @@ class RingEngine(SteppingEngine):
         self.ring.reset()
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, row: torch.Tensor
+        self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, row: torch.Tensor | int
     ) -> torch.Tensor:
-        """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring."""
+        """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring;
+        ``row=1`` (the int): the last row, and Transformers runs only that row through the KV-shared layers
+        (they write no keys or values, so the other rows' outputs there are never read)."""
         self.ring.begin(positions, valid)
         out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, logits_to_keep=row)
         return out.logits[:, -1]
 
     def read_piece(
-        self, ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor
+        self, ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, ends_full: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One piece: ids [1, length] from position ``start`` with ``count`` real tokens (device scalars)."""
+        """One piece: ids [1, length] from position ``start`` with ``count`` real tokens (device scalars);
+        ``ends_full`` (a host bool, one program each way): its last row is a real token, so only that row
+        goes through the KV-shared layers."""
         offsets = self.piece_offsets[: ids.shape[1]]
-        logits = self.forward(ids, start + offsets, offsets < count, (count - 1).view(1))
+        logits = self.forward(ids, start + offsets, offsets < count, 1 if ends_full else (count - 1).view(1))
         return greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,7 +296,8 @@ class RingEngine(SteppingEngine):
             self.piece_lengths[length] = self.piece_lengths.get(length, 0) + 1
             start = torch.tensor(k * piece, device=device)
             ids = padded[k : k + 1, :length]
-            token, logits = self.compiled_piece(ids, start, torch.tensor(count, device=device))
+            ends_full = length == count and not self.article_layout
+            token, logits = self.compiled_piece(ids, start, torch.tensor(count, device=device), ends_full)
         return token, logits
 
     def piece_length(self, count: int) -> int:
