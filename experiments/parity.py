@@ -71,19 +71,29 @@ def kl_per_position(reference: torch.Tensor, engine: torch.Tensor) -> list[float
     return (p.exp() * (p - q)).sum(-1).clamp_min(0).tolist()
 
 
+def agreement(ref_ids: list[int], eng_ids: list[int]) -> tuple[int | None, int]:
+    """The first position where the two greedy sequences differ (None: nowhere) and how many positions the KL
+    covers: up to and including that one (after it the two condition on different text)."""
+    first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
+    return first_diff, len(ref_ids) if first_diff is None else first_diff + 1
+
+
+def judged(first_diff: int | None, n: int, kl: list[float], bounds: Any) -> dict[str, Any]:
+    """The fields every parity comparison shares: tokens equal, first difference, and the verdict of the
+    tokens (when ``bounds.all_tokens``) and the KL's mean and maximum against the bounds."""
+    tokens_ok = first_diff is None or not bounds.all_tokens
+    passed = tokens_ok and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
+    return {"tokens_equal": n if first_diff is None else first_diff, "max_new_tokens": n,
+            "first_difference": first_diff, "verdict": "pass" if passed else "fail"}  # fmt: skip
+
+
 def compare(
     ref_ids: list[int], ref_logits: torch.Tensor, eng_ids: list[int], eng_logits: torch.Tensor, bounds: Any
 ) -> dict[str, Any]:
-    n = len(ref_ids)
-    first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
-    upto = n if first_diff is None else first_diff + 1
+    first_diff, upto = agreement(ref_ids, eng_ids)
     kl = kl_per_position(ref_logits[:upto], eng_logits[:upto])
-    tokens_ok = first_diff is None or not bounds.all_tokens
-    verdict = tokens_ok and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
     return {
-        "tokens_equal": n if first_diff is None else first_diff,
-        "max_new_tokens": n,
-        "first_difference": first_diff,
+        **judged(first_diff, len(ref_ids), kl, bounds),
         "kl_mean": sum(kl) / len(kl),
         "kl_max": max(kl),
         "kl_per_position": kl,
@@ -91,7 +101,6 @@ def compare(
         "top5_engine": eng_logits[0].topk(5).indices.tolist(),
         "reference_ids": ref_ids,
         "engine_ids": eng_ids,
-        "verdict": "pass" if verdict else "fail",
     }
 
 
@@ -101,9 +110,7 @@ def compare_top(
     """An engine that returns only its top-k log-probabilities (an endpoint): greedy tokens equal, and at each
     position up to the first differing token KL(reference || engine) restricted to the engine's k ids, both
     distributions renormalized over them (a lower bound on nothing: a figure of its own, so named)."""
-    n = len(ref_ids)
-    first_diff = next((i for i, (a, b) in enumerate(zip(ref_ids, eng_ids, strict=True)) if a != b), None)
-    upto = n if first_diff is None else first_diff + 1
+    first_diff, upto = agreement(ref_ids, eng_ids)
     kl, top1 = [], 0
     for row, top in zip(ref_logits[:upto], tops[:upto], strict=True):
         ids = list(top)
@@ -112,12 +119,8 @@ def compare_top(
         p, q = p - torch.logsumexp(p, 0), q - torch.logsumexp(q, 0)
         kl.append(float((p.exp() * (p - q)).sum().clamp_min(0)))
         top1 += max(top, key=top.get) == int(row.argmax())
-    tokens_ok = first_diff is None or not bounds.all_tokens
-    verdict = tokens_ok and max(kl) <= bounds.kl_max and sum(kl) / len(kl) <= bounds.kl_mean
     return {
-        "tokens_equal": n if first_diff is None else first_diff,
-        "max_new_tokens": n,
-        "first_difference": first_diff,
+        **judged(first_diff, len(ref_ids), kl, bounds),
         "top1_same": top1,
         "topk": len(tops[0]),
         "topk_kl_mean": sum(kl) / len(kl),
@@ -127,7 +130,6 @@ def compare_top(
         "engine_ids": eng_ids,
         "definition": "KL(Transformers || engine) over the engine's top-k ids at each position, both renormalized "
         "over them, up to the first differing token",
-        "verdict": "pass" if verdict else "fail",
     }
 
 
