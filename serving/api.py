@@ -12,7 +12,8 @@ Every field a client sends is one of four kinds, and nothing is dropped silently
 * accepted only at a value that describes what this server does (greedy decoding, one reply, plain
   text): ``temperature`` 0, ``top_p`` 1, ``n`` 1, ``best_of`` 1, penalties 0, ``response_format``
   text, no ``tools``, ``tool_choice`` "none", ...; any other value is refused by name, with why;
-* accepted without effect and listed in the response's ``decodebench.ignored``: ``user``,
+* accepted without effect and listed in the response's ``decodebench.ignored``: ``return_tokens_as_token_ids``
+  without log-probabilities, ``user``,
   ``metadata``, ``store``, ``parallel_tool_calls`` (no tools can be given), ``seed`` (greedy decoding
   is deterministic), ``stream_options`` on a request that does not stream;
 * anything else is refused by name as unrecognized (``extra="forbid"``), never ignored.
@@ -140,7 +141,9 @@ class Common(BaseModel):
     def ignored(self) -> list[str]:
         """The fields this request set that have no effect here."""
         names = [name for name in self.IGNORED if getattr(self, name) is not None]
-        return names + (["stream_options"] if self.stream_options is not None and not self.stream else [])
+        names += ["stream_options"] if self.stream_options is not None and not self.stream else []
+        unnamed = self.return_tokens_as_token_ids and self.top_k is None  # no log-probabilities to name tokens in
+        return names + (["return_tokens_as_token_ids"] if unnamed else [])
 
     def notes(self) -> dict[str, str]:
         """Why a field had the effect it had, where a client could expect another."""

@@ -369,6 +369,18 @@ def test_harmless_fields_are_accepted_and_listed_as_ignored(client):
     assert [x["ignored"] for x in last] == [["user"]]
 
 
+def test_log_probabilities_name_tokens_by_id_when_asked(client):
+    by_id = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    named = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=2, extra_body=by_id)
+    choice = named.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(len(row) == 2 and all(k.startswith("token_id:") for k in row) for row in choice.logprobs.top_logprobs)
+    assert ext(named)["ignored"] == []
+    unnamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                        extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    assert ext(unnamed)["ignored"] == ["return_tokens_as_token_ids"], "no log-probabilities to name tokens in"
+
+
 def test_text_stream_holds_back_what_could_start_a_stop_string(server):
     tokenizer = server["served"].tokenizer
     ids = tokenizer.encode("the ocean is deep and blue", add_special_tokens=False)
