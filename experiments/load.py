@@ -9,17 +9,19 @@ Method, per level (``experiment.concurrency``: closed loop, that many requests a
 ``experiment.rate``: open loop, Poisson arrivals at that many requests a second), one AIPerf run
 (``serving.aiperf``; its own environment, ``make setup``):
 
-* ``warmup_requests`` requests first, not measured (the first compiles the engine's programs), then
-  ``requests`` measured ones, each asking for exactly the run's ``max_new_tokens`` (``ignore_eos``; a level
-  whose requests did not each get exactly that many tokens fails the cell).
+* ``warmup_requests`` requests first, once, not measured and not through AIPerf (the first compiles the
+  engine's programs: prompts of the same lengths), then per level ``requests`` measured ones, each asking for
+  exactly the run's ``max_new_tokens`` (``ignore_eos``; a level whose requests did not each get exactly that
+  many tokens fails the cell).
 * Prompts: ``synthetic`` (AIPerf's generator, ``prompt_tokens`` each, completions endpoint), ``recall``
   (the recall generator's prompt of at most ``prompt_tokens`` tokens, a new seed per request, chat), or a
   JSONL file (``{"text": ...}`` a line, chat); every text prompt is held to the fit rule first.
 * Per level: requests, errors, request throughput (req/s) and output tok/s over AIPerf's benchmark
   duration; TTFT, TPOT, ITL and E2EL mean / p50 / p90 / p99 (seconds; AIPerf's names in
   ``serving.aiperf``); goodput (requests a second meeting both SLOs, ``experiment.slo``); and the server's
-  own count and mean of queue, read and decode seconds over the same phase (AIPerf scrapes ``/metrics``).
-  The server must count exactly the requests AIPerf completed. ``ttft_less_queue_s`` = mean TTFT - mean
+  own count and mean of queue, read and decode seconds over the same requests (its ``/metrics`` read just
+  before and just after the level: nothing else reaches the server in between). The server must count
+  exactly the requests AIPerf completed. ``ttft_less_queue_s`` = mean TTFT - mean
   queue seconds: what a request costs once the engine takes it.
 
 Before serving, the bare engine on the run's prompt (the decode experiment's pairs at the server's
@@ -47,16 +49,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
 from decodebench.evidence import Record, samples, scalar
 from experiments import recall_prompts
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
-from experiments.serve import bare, check_fit, serve_while
+from experiments.serve import bare, check_fit, scrape, serve_while
 from serving import aiperf
 
 PROMPT_SOURCES = ("synthetic", "recall")  # or a path to a JSONL file
-KEPT_FILES = (aiperf.CLIENT_EXPORT, aiperf.SERVER_EXPORT)
+KEPT_FILES = (aiperf.CLIENT_EXPORT,)
 RECORDS_FILE = "profile_export.jsonl"  # AIPerf's per-request records, kept gzipped
 TOOL_TIMEOUT_S = 3600.0
 
@@ -145,7 +149,7 @@ def text_prompts(cell: Cell, count: int) -> list[str] | None:
 
 
 def keep_exports(run_dir: Path, kept: Path) -> list[str]:
-    """AIPerf's two summaries and its per-request records (gzipped) from ``run_dir`` into ``kept``."""
+    """AIPerf's summary and its per-request records (gzipped) from ``run_dir`` into ``kept``."""
     kept.mkdir(parents=True, exist_ok=True)
     names = []
     for name in KEPT_FILES:
@@ -176,8 +180,53 @@ def held_to_method(level: str, figures: dict[str, Any], n: int) -> None:
         )
 
 
+def server_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """decodebench's own figures between two reads of its ``/metrics`` (``serve.scrape``): requests answered,
+    queue seconds (count and sum) and the engine's mean read and decode seconds; None for a server that is not
+    decodebench's (another names its metrics its own way) or that has no ``/metrics``."""
+    if before is None or after is None or "decodebench_queue_seconds_count" not in after:
+        return None
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def mean(name: str) -> float | None:
+        count = delta(f"decodebench_{name}_seconds_count")
+        return delta(f"decodebench_{name}_seconds_sum") / count if count else None
+
+    return {"requests": int(delta("decodebench_requests_total")),
+            "queue_s": {"count": int(delta("decodebench_queue_seconds_count")),
+                        "sum": delta("decodebench_queue_seconds_sum")},
+            "read_s_avg": mean("read"), "decode_s_avg": mean("decode")}  # fmt: skip
+
+
+def metrics(url: str) -> dict[str, float] | None:
+    """The server's ``/metrics``, or None where it has none."""
+    try:
+        return scrape(url)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def warm_up(url: str, model: str, texts: list[str] | None, prompt_ids: list[int], n: int, count: int) -> None:
+    """``count`` unmeasured requests of the levels' shapes (each text in turn, or token ids as long as a
+    synthetic prompt is read), exactly ``n`` tokens each, so that no level pays a first compile."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="decodebench", max_retries=0, timeout=TOOL_TIMEOUT_S)
+    exact = {"ignore_eos": True}
+    for i in range(count):
+        if texts is None:
+            client.completions.create(model=model, prompt=prompt_ids, max_tokens=n, extra_body=exact)
+        else:
+            turn = [{"role": "user", "content": texts[i % len(texts)]}]
+            client.chat.completions.create(model=model, messages=turn, max_tokens=n, extra_body=exact)
+
+
 def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiperf.Workload, kept: Path) -> dict:
-    """One AIPerf run at ``level``; its record, held to the method's contracts."""
+    """One AIPerf run at ``level``, the server's ``/metrics`` read just before and just after it; its record,
+    held to the method's contracts."""
+    before = metrics(url)
     with tempfile.TemporaryDirectory(prefix=f"aiperf-{level.name}-") as tmp:
         out = Path(tmp)
         command = aiperf.level_command(url, model, cell.opened.checkpoint.path.resolve(), level, work, out)
@@ -188,8 +237,9 @@ def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiper
             errors = [line for line in text.splitlines() if "ERROR" in line or "Error" in line]
             tail = "\n".join(errors or text.splitlines()[-15:])[-3000:]
             raise MethodError(f"AIPerf at {level.name} exited {done.returncode}:\n{tail}")
+        after = metrics(url)
         try:
-            figures = aiperf.read_level(out)
+            figures = {**aiperf.read_level(out), "server": server_figures(before, after)}
         except aiperf.ToolError as exc:
             raise MethodError(f"AIPerf at {level.name}: {exc}") from exc
         files = keep_exports(out, kept / level.name)
@@ -222,8 +272,12 @@ def run(cell: Cell, result: Result | None = None) -> Result:
             if texts is not None:
                 input_file = Path(tmp) / "prompts.jsonl"
                 input_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-            work = aiperf.Workload(exp.requests, exp.warmup_requests, cfg.max_new_tokens, exp.prompt_tokens,
-                                   input_file, exp.slo.ttft_s, exp.slo.tpot_s, exp.seed)  # fmt: skip
+            work = aiperf.Workload(exp.requests, cfg.max_new_tokens, exp.prompt_tokens, input_file, exp.slo.ttft_s,
+                                   exp.slo.tpot_s, exp.seed)  # fmt: skip
+            synthetic = (ids * (exp.prompt_tokens // len(ids) + 2))[
+                : exp.prompt_tokens + 1
+            ]  # BOS + the prompt's length
+            warm_up(url, model, texts, synthetic, cfg.max_new_tokens, exp.warmup_requests)
             return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
 
     endpoint = cell.engine.endpoint()

@@ -2,13 +2,11 @@
 
 AIPerf lives in its own virtual environment (``make setup`` installs ``locks/aiperf.txt`` into
 ``.venv-aiperf``), so its pins (Transformers, numpy, pandas) never touch the project's; it is driven
-through its command line and read back through its two JSON exports:
-
-* ``profile_export_aiperf.json``: the client side, per metric ``avg``/``p50``/``p90``/``p99``/``min``/``max``
-  in the metric's display unit (milliseconds for latencies), warm-up requests excluded.
-* ``server_metrics_export.json``: AIPerf's own scrapes of the server's ``/metrics`` during the profiling
-  phase (counters' totals and histograms' count / sum / avg over that phase only); decodebench's own
-  figures when the server is decodebench's, else none.
+through its command line and read back through its JSON export ``profile_export_aiperf.json``: the client
+side, per metric ``avg``/``p50``/``p90``/``p99``/``min``/``max`` in the metric's display unit (milliseconds
+for latencies). It runs without warm-up requests and without scraping the server (the load experiment warms
+the server up and reads its ``/metrics`` itself, before and after each run, so the server's figures cover
+exactly AIPerf's requests).
 
 ``level_command`` builds one load level's run; ``read_level`` turns its exports into one record in
 seconds and tokens. AIPerf's names against the ones used here (vLLM's and the serving notes'):
@@ -27,13 +25,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 CLIENT_EXPORT = "profile_export_aiperf.json"
-SERVER_EXPORT = "server_metrics_export.json"
 # AIPerf metric -> the name it has here (latencies: milliseconds there, seconds here)
 LATENCIES = {"time_to_first_token": "ttft_s", "inter_token_latency": "tpot_s", "inter_chunk_latency": "itl_s",
              "request_latency": "e2el_s"}  # fmt: skip
 STATS = ("avg", "p50", "p90", "p99", "min", "max")
 # The fewest processes AIPerf will run with, and no probing for GPU telemetry: it shares the engine's cores.
-QUIET = ("--workers-max", "1", "--record-processors", "1", "--no-gpu-telemetry", "--server-metrics-formats", "json")
+QUIET = ("--workers-max", "1", "--record-processors", "1", "--no-gpu-telemetry", "--no-server-metrics")
 
 
 class ToolError(RuntimeError):
@@ -60,13 +57,12 @@ class Level:
 
 @dataclass(frozen=True)
 class Workload:
-    """What every level sends: ``requests`` measured after ``warmup`` unmeasured ones, each asking for
-    exactly ``output_tokens`` (``ignore_eos``); prompts from ``input_file`` (JSONL, ``{"text": ...}`` a line,
+    """What every level sends: ``requests`` requests, each asking for exactly ``output_tokens``
+    (``ignore_eos``); prompts from ``input_file`` (JSONL, ``{"text": ...}`` a line,
     sent as chat user turns) or, without one, AIPerf's synthetic prompts of ``prompt_tokens`` tokens (the
     completions endpoint: token soup is no user turn). SLOs in seconds, for AIPerf's goodput."""
 
     requests: int
-    warmup: int
     output_tokens: int
     prompt_tokens: int
     input_file: Path | None
@@ -94,7 +90,7 @@ def level_command(url: str, model: str, tokenizer: Path, level: Level, work: Wor
     return [str(TOOL), "profile", "--model", model, "--url", url, "--streaming", "--tokenizer", str(tokenizer),
             *prompts, "--output-tokens-mean", str(work.output_tokens), "--output-tokens-stddev", "0",
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count", *level.args(),
-            "--request-count", str(work.requests), "--warmup-request-count", str(work.warmup),
+            "--request-count", str(work.requests),
             "--goodput", goodput, "--random-seed", str(work.seed), "--ui-type", "none",
             *QUIET, "--artifact-dir", str(out)]  # fmt: skip
 
@@ -105,27 +101,16 @@ def _seconds(block: dict[str, Any]) -> dict[str, float]:
     return {k: block[k] / 1e3 for k in STATS if k in block}
 
 
-def _server(metrics: dict[str, Any], name: str) -> list[dict[str, float]]:
-    """The phase's stats of each labelled series of one ``/metrics`` family, as AIPerf scraped them."""
-    family = metrics.get(name)
-    if family is None or not family["series"]:
-        raise ToolError(f"the server's /metrics as AIPerf scraped it has no series {name!r}")
-    return [series["stats"] for series in family["series"]]
-
-
 def read_level(out: Path) -> dict[str, Any]:
-    """One level's record from AIPerf's exports in ``out``: counts, rates, latencies in seconds, goodput,
-    and the server's own queue and engine seconds over the same phase."""
+    """One level's client figures from AIPerf's export in ``out``: counts, rates, latencies in seconds and
+    goodput."""
     try:
         client = json.loads((out / CLIENT_EXPORT).read_text())
-        server = json.loads((out / SERVER_EXPORT).read_text())
     except (OSError, ValueError) as exc:
         raise ToolError(f"AIPerf's exports in {out} could not be read: {exc}") from exc
     if not client.get("is_complete") or client.get("was_cancelled"):
         raise ToolError(f"AIPerf's run in {out} did not complete (is_complete={client.get('is_complete')}, "
                         f"was_cancelled={client.get('was_cancelled')})")  # fmt: skip
-    if server.get("metrics_phase") != "profiling":
-        raise ToolError(f"the server metrics export covers phase {server.get('metrics_phase')!r}, not profiling")
 
     def value(name: str) -> float | None:
         return client[name]["avg"] if name in client else None
@@ -145,19 +130,4 @@ def read_level(out: Path) -> dict[str, Any]:
         "output_tokens": {k: tokens[k] for k in ("min", "max") if k in tokens},
         "prompt_tokens": client.get("usage_prompt_tokens", {}).get("avg"),
         **{ours: _seconds(client[theirs]) for theirs, ours in LATENCIES.items() if theirs in client},
-        "server": _decodebench(server["metrics"]),
-    }
-
-
-def _decodebench(metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """decodebench's own figures over the phase, from its ``/metrics`` as AIPerf scraped them; None for a
-    server that is not decodebench's (another endpoint names its metrics its own way)."""
-    if "decodebench_queue_seconds" not in metrics:
-        return None
-    queue, read, decode = (_server(metrics, f"decodebench_{n}_seconds")[0] for n in ("queue", "read", "decode"))
-    return {
-        "requests": int(sum(s["total"] for s in _server(metrics, "decodebench_requests"))),
-        "queue_s": {"count": int(queue["count"]), "sum": queue["sum"], "avg": queue.get("avg")},
-        "read_s_avg": read.get("avg"),
-        "decode_s_avg": decode.get("avg"),
     }
