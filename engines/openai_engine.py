@@ -123,9 +123,7 @@ class OpenAIEngine(Engine):
     ) -> Generation:
         if return_logits:
             raise EngineLimit(NO_LOGITS)
-        exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True}  # vLLM's fields
-        request = {"model": self.model_id, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0,
-                   "extra_body": exact}  # fmt: skip
+        request = self._request(prompt_ids, max_new_tokens)
         if on_tokens is None:
             choice = self.client.completions.create(**request).choices[0]
             return Generation(self._ids(choice))
@@ -141,17 +139,20 @@ class OpenAIEngine(Engine):
     def top_logprobs(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
         """One non-streamed request asking for ``logprobs=5`` with each token named by its id (vLLM's
         ``return_tokens_as_token_ids``): the tokens and, at each, the five best ids with their log-probabilities."""
-        exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True,
-                 "return_tokens_as_token_ids": True}  # fmt: skip
-        choice = self.client.completions.create(
-            model=self.model_id, prompt=prompt_ids, max_tokens=max_new_tokens, temperature=0,
-            logprobs=self.top_logprobs_k, extra_body=exact,
-        ).choices[0]  # fmt: skip
+        request = self._request(prompt_ids, max_new_tokens, return_tokens_as_token_ids=True)
+        choice = self.client.completions.create(**request, logprobs=self.top_logprobs_k).choices[0]
         rows = choice.logprobs.top_logprobs if choice.logprobs else None
         if not rows or not all(key.startswith("token_id:") for row in rows for key in row):
             raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} did not name its log-probabilities' tokens "
                                "by id (vLLM's return_tokens_as_token_ids): they cannot be compared by id")  # fmt: skip
         return self._ids(choice), [{int(k.removeprefix("token_id:")): lp for k, lp in row.items()} for row in rows]
+
+    def _request(self, prompt_ids: list[int], max_new_tokens: int, **fields: Any) -> dict[str, Any]:
+        """A greedy completion of exactly ``max_new_tokens`` tokens returned as ids (vLLM's ``ignore_eos``,
+        ``min_tokens`` and ``return_token_ids``), with any more of vLLM's ``fields``."""
+        exact = {"ignore_eos": True, "min_tokens": max_new_tokens, "return_token_ids": True, **fields}
+        return {"model": self.model_id, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0,
+                "extra_body": exact}  # fmt: skip
 
     def _ids(self, choice: Any) -> list[int]:
         """A choice's token ids; a choice that carries text without them cannot be read as ids."""

@@ -60,9 +60,10 @@ from experiments.serve import bare, check_fit, scrape, serve_while
 from serving import aiperf
 
 PROMPT_SOURCES = ("synthetic", "recall")  # or a path to a JSONL file
-KEPT_FILES = (aiperf.CLIENT_EXPORT,)
+DEFAULT_PROMPT_TOKENS = 64
 RECORDS_FILE = "profile_export.jsonl"  # AIPerf's per-request records, kept gzipped
 TOOL_TIMEOUT_S = 3600.0
+PEAK = "the highest AIPerf output token throughput over the levels"
 
 
 @dataclass
@@ -81,7 +82,8 @@ class LoadExperimentConfig(ExperimentConfig):
 
     ``concurrency``: closed-loop levels; ``rate``: open-loop Poisson levels (requests a second); one AIPerf
     run each, in this order. ``prompts``: ``synthetic``, ``recall`` or a JSONL path; ``prompt_tokens``: the
-    synthetic prompts' length, or the recall prompts' largest; ``seed``: AIPerf's and the recall prompts'.
+    synthetic prompts' length, or the recall prompts' largest (64 unless given; refused with a JSONL file, whose
+    lines are sent as they are); ``seed``: AIPerf's and the recall prompts'.
     """
 
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -89,12 +91,14 @@ class LoadExperimentConfig(ExperimentConfig):
     requests: int = 8
     warmup_requests: int = 2
     prompts: str = "synthetic"
-    prompt_tokens: int = 64
+    prompt_tokens: int | None = None  # synthetic and recall prompts: DEFAULT_PROMPT_TOKENS unless given
     seed: int = 0
     slo: SloConfig = field(default_factory=SloConfig)
 
     def __post_init__(self) -> None:
-        at_least("experiment.", self, 1, "requests", "warmup_requests", "prompt_tokens")
+        at_least("experiment.", self, 1, "requests", "warmup_requests")
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise ConfigError(f"experiment.prompt_tokens={self.prompt_tokens} must be at least 1")
         positive("experiment.slo.", self.slo, "ttft_s", "tpot_s")
         if not self.concurrency and not self.rate:
             raise ConfigError("experiment.concurrency and experiment.rate are both empty: no load level to run")
@@ -108,6 +112,14 @@ class LoadExperimentConfig(ExperimentConfig):
             raise ConfigError(
                 f"experiment.prompts={self.prompts!r}: one of {', '.join(PROMPT_SOURCES)} or a path to a .jsonl file"
             )
+        if self.prompts not in PROMPT_SOURCES and self.prompt_tokens is not None:
+            raise ConfigError(f"experiment.prompt_tokens={self.prompt_tokens} has no effect on the prompts of "
+                              f"{self.prompts}: each line is sent as it is")  # fmt: skip
+
+    @property
+    def target_tokens(self) -> int:
+        """The synthetic prompts' length, or the recall prompts' largest."""
+        return DEFAULT_PROMPT_TOKENS if self.prompt_tokens is None else self.prompt_tokens
 
     def levels(self) -> list[aiperf.Level]:
         return [aiperf.Level("concurrency", c) for c in self.concurrency] + [aiperf.Level("rate", r) for r in self.rate]
@@ -129,10 +141,10 @@ def text_prompts(cell: Cell, count: int) -> list[str] | None:
     fit rule; None for AIPerf's synthetic prompts."""
     exp = cell.cfg.experiment
     if exp.prompts == "synthetic":
-        cell.require_fit(exp.prompt_tokens + 1)  # AIPerf's prompt, re-read by the server: one token either way
+        cell.require_fit(exp.target_tokens + 1)  # AIPerf's prompt, re-read by the server: one token either way
         return None
     if exp.prompts == "recall":
-        template = recall_prompts.build(cell.opened.tokenizer, exp.prompt_tokens, exp.seed, cell.cfg.chat_template)
+        template = recall_prompts.build(cell.opened.tokenizer, exp.target_tokens, exp.seed, cell.cfg.chat_template)
         texts = [recall_prompts.text(exp.seed + i, template.records)[0] for i in range(count)]
     else:
         path = Path(exp.prompts)
@@ -151,10 +163,8 @@ def text_prompts(cell: Cell, count: int) -> list[str] | None:
 def keep_exports(run_dir: Path, kept: Path) -> list[str]:
     """AIPerf's summary and its per-request records (gzipped) from ``run_dir`` into ``kept``."""
     kept.mkdir(parents=True, exist_ok=True)
-    names = []
-    for name in KEPT_FILES:
-        shutil.copyfile(run_dir / name, kept / name)
-        names.append(name)
+    shutil.copyfile(run_dir / aiperf.CLIENT_EXPORT, kept / aiperf.CLIENT_EXPORT)
+    names = [aiperf.CLIENT_EXPORT]
     records = run_dir / RECORDS_FILE
     if records.exists():
         with records.open("rb") as src, gzip.open(kept / f"{RECORDS_FILE}.gz", "wb") as dst:
@@ -266,17 +276,17 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     stem = f"load-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}"
     kept = Path(cfg.evidence_dir) / str(cfg.sweep) / stem
 
+    tokens = exp.target_tokens  # the synthetic prompts' length: the warm-up reads as many
+
     def clients(url: str, model: str, _worker: Any) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="decodebench-load-") as tmp:
             input_file = None
             if texts is not None:
                 input_file = Path(tmp) / "prompts.jsonl"
                 input_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-            work = aiperf.Workload(exp.requests, cfg.max_new_tokens, exp.prompt_tokens, input_file, exp.slo.ttft_s,
+            work = aiperf.Workload(exp.requests, cfg.max_new_tokens, tokens, input_file, exp.slo.ttft_s,
                                    exp.slo.tpot_s, exp.seed)  # fmt: skip
-            synthetic = (ids * (exp.prompt_tokens // len(ids) + 2))[
-                : exp.prompt_tokens + 1
-            ]  # BOS + the prompt's length
+            synthetic = (ids * (tokens // len(ids) + 2))[: tokens + 1]  # read as long as AIPerf's prompt is
             warm_up(url, model, texts, synthetic, cfg.max_new_tokens, exp.warmup_requests)
             return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
 
@@ -294,12 +304,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     best = max(levels, key=lambda level: level["output_tok_s"])
     result.measurements.update(
         load_s=scalar(cell.load_s, "s"),
-        peak_output_tok_s=scalar(
-            best["output_tok_s"],
-            "tok/s",
-            level=best["level"],
-            method="the highest AIPerf output token throughput over the levels",
-        ),  # fmt: skip
+        peak_output_tok_s=scalar(best["output_tok_s"], "tok/s", level=best["level"], method=PEAK),
         max_new_tokens=scalar(cfg.max_new_tokens, "tok"),
     )
     if base.rates:

@@ -8,7 +8,7 @@ for latencies). It runs without warm-up requests and without scraping the server
 the server up and reads its ``/metrics`` itself, before and after each run, so the server's figures cover
 exactly AIPerf's requests).
 
-``level_command`` builds one load level's run; ``read_level`` turns its exports into one record in
+``level_command`` builds one load level's run; ``read_level`` turns its export into one record in
 seconds and tokens. AIPerf's names against the ones used here (vLLM's and the serving notes'):
 ``time_to_first_token`` is TTFT, ``inter_token_latency`` ((E2EL - TTFT) / (tokens - 1) per request) is
 TPOT, ``inter_chunk_latency`` (every gap between consecutive stream chunks) is ITL, ``request_latency`` is
@@ -34,7 +34,7 @@ QUIET = ("--workers-max", "1", "--record-processors", "1", "--no-gpu-telemetry",
 
 
 class ToolError(RuntimeError):
-    """AIPerf is missing, failed, or wrote exports this module cannot read as a complete level."""
+    """AIPerf wrote an export this module cannot read as a complete level."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def read_level(out: Path) -> dict[str, Any]:
     try:
         client = json.loads((out / CLIENT_EXPORT).read_text())
     except (OSError, ValueError) as exc:
-        raise ToolError(f"AIPerf's exports in {out} could not be read: {exc}") from exc
+        raise ToolError(f"AIPerf's export in {out} could not be read: {exc}") from exc
     if not client.get("is_complete") or client.get("was_cancelled"):
         raise ToolError(f"AIPerf's run in {out} did not complete (is_complete={client.get('is_complete')}, "
                         f"was_cancelled={client.get('was_cancelled')})")  # fmt: skip

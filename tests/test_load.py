@@ -59,6 +59,7 @@ def test_a_level_is_held_to_exactly_n_tokens_and_to_the_requests_the_server_coun
         ({"rate": [-1.0]}, "positive request rate"),
         ({"prompts": "prompts.txt"}, "a path to a .jsonl file"),
         ({"requests": 0}, "experiment.requests=0"),
+        ({"prompts": "prompts.jsonl", "prompt_tokens": 32}, "has no effect on the prompts of prompts.jsonl"),
     ],
 )
 def test_load_settings_that_cannot_run_are_refused_by_name(overrides, message):
