@@ -187,6 +187,19 @@ class JaxEngine(SteppedEngine):
         """Distinct compiled programs of each jitted function, from JAX's own caches."""
         return {"piece": self.piece_fn._cache_size(), "step": self.step_fn._cache_size()}
 
+    def program_texts(self) -> dict[str, str]:
+        """The two compiled programs' HLO text, piece then step (``experiment=profile`` names XLA's operations
+        by it); lowered for the shapes they were called with, so JAX's compile cache answers."""
+        import jax
+
+        ids = np.zeros(self.plan.piece, np.int32)
+        piece = jax.device_put((ids, np.int32(0), np.int32(1)), self.ctx.device.jax_device)
+        step = (self.device_token(0), self.position(0))
+        return {
+            "piece": self.piece_fn.lower(self.params, self.cache, *piece).compile().as_text(),
+            "step": self.step_fn.lower(self.params, self.cache, *step).compile().as_text(),
+        }
+
     def describe(self) -> dict[str, Any]:
         programs = self.programs()
         return {
@@ -202,6 +215,15 @@ class JaxEngine(SteppedEngine):
         }
 
 
+def greedy(logits: Any) -> Any:
+    """The argmax token [1] of logits [V] (named ``logits`` with the soft cap, as a profile sees it)."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.named_scope("logits"):
+        return jnp.argmax(logits, keepdims=True).astype(jnp.int32)
+
+
 def read_piece(plan: Any, rope: Any, params: Any, cache: Any, ids: Any, start: Any, count: Any) -> tuple:
     """One piece: ``ids`` [piece] from position ``start`` with ``count`` real tokens -> greedy token
     [1], its logits [V] and the cache."""
@@ -211,7 +233,7 @@ def read_piece(plan: Any, rope: Any, params: Any, cache: Any, ids: Any, start: A
 
     offsets = jnp.arange(plan.piece, dtype=jnp.int32)
     logits, cache = forward(plan, rope, params, cache, ids, start + offsets, offsets < count, count - 1)
-    return jnp.argmax(logits, keepdims=True).astype(jnp.int32), logits, cache
+    return greedy(logits), logits, cache
 
 
 def decode_step(plan: Any, rope: Any, params: Any, cache: Any, token: Any, position: Any) -> tuple:
@@ -221,4 +243,4 @@ def decode_step(plan: Any, rope: Any, params: Any, cache: Any, token: Any, posit
     from engines.jax_model import forward
 
     logits, cache = forward(plan, rope, params, cache, token, position, jnp.ones(1, bool), jnp.int32(0))
-    return jnp.argmax(logits, keepdims=True).astype(jnp.int32), logits, cache, position + 1
+    return greedy(logits), logits, cache, position + 1

@@ -129,16 +129,19 @@ def unpack_int4(w: Int4, dtype: Any) -> jax.Array:
     return grouped.reshape(out, words * 8).astype(dtype)
 
 
-def linear(x: jax.Array, w: jax.Array | Int4, plan: Plan) -> jax.Array:
-    """x [S, in] @ w.T -> [S, out] in the run's dtype."""
-    dense = unpack_int4(w, plan.dtype) if isinstance(w, Int4) else w
-    if plan.matmul == "reduce" and x.shape[0] == 1:
-        product = dense.astype(jnp.float32) * x.astype(jnp.float32)  # [out, in] * [1, in]
-        return product.sum(-1)[None].astype(plan.dtype)
-    if plan.matmul == "upcast" and x.shape[0] == 1:
-        x, dense = x.astype(jnp.float32), dense.astype(jnp.float32)
-    product = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return product.astype(plan.dtype)
+def linear(x: jax.Array, params: dict[str, Any], name: str, plan: Plan) -> jax.Array:
+    """x [S, in] @ w.T -> [S, out] in the run's dtype, ``w`` = ``params[name + ".weight"]``; its operations
+    are named after the linear (``q_proj``, ``lm_head``, ...: ``jax.named_scope``, seen by a profile)."""
+    w = params[name + ".weight"]
+    with jax.named_scope(name.rpartition(".")[2]):
+        dense = unpack_int4(w, plan.dtype) if isinstance(w, Int4) else w
+        if plan.matmul == "reduce" and x.shape[0] == 1:
+            product = dense.astype(jnp.float32) * x.astype(jnp.float32)  # [out, in] * [1, in]
+            return product.sum(-1)[None].astype(plan.dtype)
+        if plan.matmul == "upcast" and x.shape[0] == 1:
+            x, dense = x.astype(jnp.float32), dense.astype(jnp.float32)
+        product = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return product.astype(plan.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -198,10 +201,11 @@ def forward(
         emb = jnp.concatenate([freqs, freqs], -1)
         tables[sliding] = ((jnp.cos(emb) * scaling).astype(dtype), (jnp.sin(emb) * scaling).astype(dtype))
 
-    x = p["embed_tokens.weight"][ids] * p["embed_scale"]
     layers = len(plan.layers)
-    token_part = (p["embed_tokens_per_layer.weight"][ids] * p["ple_embed_scale"]).reshape(-1, layers, plan.ple_dim)
-    context_part = linear(x, p["per_layer_model_projection.weight"], plan) * (plan.hidden**-0.5)
+    with jax.named_scope("embed"):
+        x = p["embed_tokens.weight"][ids] * p["embed_scale"]
+        token_part = (p["embed_tokens_per_layer.weight"][ids] * p["ple_embed_scale"]).reshape(-1, layers, plan.ple_dim)
+    context_part = linear(x, p, "per_layer_model_projection", plan) * (plan.hidden**-0.5)
     context_part = rms_norm(
         context_part.reshape(-1, layers, plan.ple_dim), p["per_layer_projection_norm.weight"], plan.eps
     )
@@ -217,42 +221,47 @@ def forward(
         pre = f"layers.{i}."
         cos, sin = tables[layer.sliding]
         h = rms_norm(x, p[pre + "input_layernorm.weight"], plan.eps)
-        q = linear(h, p[pre + "self_attn.q_proj.weight"], plan).reshape(x.shape[0], plan.heads, layer.head_dim)
+        q = linear(h, p, pre + "self_attn.q_proj", plan).reshape(x.shape[0], plan.heads, layer.head_dim)
         q = rotate(rms_norm(q, p[pre + "self_attn.q_norm.weight"], plan.eps), cos, sin)
         if layer.source == i:
             shape = (x.shape[0], layer.kv_heads, layer.head_dim)
             k = rotate(
                 rms_norm(
-                    linear(h, p[pre + "self_attn.k_proj.weight"], plan).reshape(shape),
+                    linear(h, p, pre + "self_attn.k_proj", plan).reshape(shape),
                     p[pre + "self_attn.k_norm.weight"],
                     plan.eps,
                 ),
                 cos,
                 sin,
             )
-            v = rms_norm(linear(h, p[pre + "self_attn.v_proj.weight"], plan).reshape(shape), None, plan.eps)
+            v = rms_norm(linear(h, p, pre + "self_attn.v_proj", plan).reshape(shape), None, plan.eps)
             slots = ring_slot if layer.sliding else positions
             keys, values = kv[str(i)]
-            kv[str(i)] = (keys.at[:, slots].set(k.transpose(1, 0, 2)), values.at[:, slots].set(v.transpose(1, 0, 2)))
+            with jax.named_scope("attention"):  # the cache write: attention's traffic
+                k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+                kv[str(i)] = (keys.at[:, slots].set(k), values.at[:, slots].set(v))
         keys, values = kv[str(layer.source)]
-        attended = linear(attention(q, keys, values, keep[layer.sliding]), p[pre + "self_attn.o_proj.weight"], plan)
+        with jax.named_scope("attention"):
+            attended = attention(q, keys, values, keep[layer.sliding])
+        attended = linear(attended, p, pre + "self_attn.o_proj", plan)
         x = x + rms_norm(attended, p[pre + "post_attention_layernorm.weight"], plan.eps)
 
         h = rms_norm(x, p[pre + "pre_feedforward_layernorm.weight"], plan.eps)
-        gate = jax.nn.gelu(linear(h, p[pre + "mlp.gate_proj.weight"], plan), approximate=True)
-        h = linear(gate * linear(h, p[pre + "mlp.up_proj.weight"], plan), p[pre + "mlp.down_proj.weight"], plan)
+        gate = jax.nn.gelu(linear(h, p, pre + "mlp.gate_proj", plan), approximate=True)
+        h = linear(gate * linear(h, p, pre + "mlp.up_proj", plan), p, pre + "mlp.down_proj", plan)
         x = x + rms_norm(h, p[pre + "post_feedforward_layernorm.weight"], plan.eps)
 
-        h = jax.nn.gelu(linear(x, p[pre + "per_layer_input_gate.weight"], plan), approximate=True) * per_layer[:, i]
+        h = jax.nn.gelu(linear(x, p, pre + "per_layer_input_gate", plan), approximate=True) * per_layer[:, i]
         h = rms_norm(
-            linear(h, p[pre + "per_layer_projection.weight"], plan),
+            linear(h, p, pre + "per_layer_projection", plan),
             p[pre + "post_per_layer_input_norm.weight"],
             plan.eps,
         )
         x = (x + h) * p[pre + "layer_scalar"]
 
     last = jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0) if x.shape[0] > 1 else x
-    logits = linear(rms_norm(last, p["norm.weight"], plan.eps), p["lm_head.weight"], plan)[0]
+    logits = linear(rms_norm(last, p["norm.weight"], plan.eps), p, "lm_head", plan)[0]
     if plan.softcap is not None:
-        logits = jnp.tanh(logits / plan.softcap) * plan.softcap
+        with jax.named_scope("logits"):
+            logits = jnp.tanh(logits / plan.softcap) * plan.softcap
     return logits.astype(jnp.float32), {"kv": kv, "ring_pos": ring_pos, "full_pos": full_pos}

@@ -1,18 +1,20 @@
 """Experiment ``profile``: where each millisecond of a decode step goes, for an engine that steps.
 
 The method is the decode experiment's, applied to a profile: ``repeats`` pairs of a warm 1-token call and
-a warm N-token call run under ``torch.profiler`` (the Rust engine's ATen calls reach it through the
-dispatcher), and every operator's self time is the N-token call's less the 1-token call's, over N-1: per
-token, the prompt read dropped out; each class's figure is the median over the pairs. Operators fall
-into classes a reader can act on:
+a warm N-token call run under the framework's profiler, and every class's time is the N-token call's less
+the 1-token call's, over N-1: per token, the prompt read dropped out; each class's figure is the median over
+the pairs. Under ``torch.profiler`` (the Rust engine's ATen calls reach it through the dispatcher) a class's
+time is its operators' self time; under ``jax.profiler`` it is the wall time of XLA's operations, split
+where they run at once (``experiments/profile_jax.py``). Operators fall into classes a reader can act on:
 
 * ``weights: attention projections``, ``weights: MLP``, ``weights: per-layer inputs``: matrix products
   with a weight, matched to the model's linears by shape (where two kinds share a shape, split in
-  proportion to how many linears of each the model has);
+  proportion to how many linears of each the model has; in JAX, by the linear's named scope);
 * ``attention``: the attention products and softmax; ``table lookups``: embedding and index reads;
 * ``logits and argmax``: the ``lm_head`` product, the soft cap and the argmax;
 * ``norms and elementwise``: every other operator (with a compiled step, its fused kernels);
-* ``host: dispatch and wrappers``: TorchDynamo's cache lookup, compiled-region wrappers, tensor metadata;
+* ``host: dispatch and wrappers``: TorchDynamo's cache lookup, compiled-region wrappers, tensor metadata
+  (in JAX: a program's dispatch on the calling thread while no operation runs);
 * ``host: between operators``: the unprofiled step time (warm pairs in this cell, as ``decode`` measures
   it) less everything above: Python, dispatch and read-backs outside any operator, and, when negative,
   the profiler's own overhead inside them (stated as is).
@@ -45,13 +47,9 @@ from engines.steps import SteppedEngine
 from experiments.cell import Cell
 from experiments.common import Result
 from experiments.decode import warm_pairs
+from experiments.profile_classes import BETWEEN, CLASSES, DISPATCH, WEIGHT_KINDS
+from experiments.profile_jax import JaxProfile
 
-WEIGHT_KINDS = {
-    "weights: attention projections": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "weights: MLP": ("gate_proj", "up_proj", "down_proj"),
-    "weights: per-layer inputs": ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"),
-    "logits and argmax": ("lm_head",),
-}
 MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
            "aten::_weight_int4pack_mm")  # fmt: skip
 ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention")
@@ -61,9 +59,6 @@ HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "at
         "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
         "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
         "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_")  # fmt: skip
-BETWEEN = "host: between operators"
-CLASSES = (*WEIGHT_KINDS, "attention", "table lookups", "norms and elementwise", "host: dispatch and wrappers",
-           BETWEEN)  # fmt: skip
 OPERATOR_SLACK = 0.05  # the profiled operators may exceed the unprofiled step by this share (timer noise)
 
 
@@ -132,34 +127,52 @@ def attribute(events: Any, shapes: dict[tuple[int, int], dict[str, int]]) -> dic
         elif name in LOGITS:
             out["logits and argmax"] += seconds
         elif name.startswith(HOST):
-            out["host: dispatch and wrappers"] += seconds
+            out[DISPATCH] += seconds
         else:
             out["norms and elementwise"] += seconds
     return out
 
 
-def profiled(cell: Cell, ids: list[int], n: int, shapes: dict, trace: Path | None) -> dict[str, float]:
-    """One warm ``n``-token call under the profiler: self seconds by class (``shapes``: ``linear_shapes``)."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        cell.call(ids, n)
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    return attribute(prof.key_averages(group_by_input_shape=True), shapes)
+class TorchProfile:
+    """One torch engine's calls under ``torch.profiler``, operators attributed by class (module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.model = engine.model  # the Rust engine keeps the torch model its weights came from
+        self.shapes = linear_shapes(self.model)
+
+    def run(self, call: Any, trace: Path | None) -> dict[str, float]:
+        """``call`` once under the profiler: self seconds by class; the raw trace (gzip) to ``trace``."""
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            call()
+        if trace is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                raw = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(raw))
+                with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        return attribute(prof.key_averages(group_by_input_shape=True), self.shapes)
+
+    def read_bytes(self) -> dict[str, int]:
+        """Bytes each class must read per token: the weights of its linears as held, the KV cache (every slot
+        of it, as a step over the whole cache reads), one row of each vocabulary table."""
+        reads = weight_bytes(self.model)
+        cache = self.engine.cache_bytes()
+        if cache:
+            reads["attention"] = cache
+        tables = [m for n, m in self.model.named_modules() if n.endswith(("embed_tokens", "embed_tokens_per_layer"))]
+        reads["table lookups"] = sum(sum(t[0].nbytes for t in (*m.parameters(), *m.buffers()) if t.dim() == 2)
+                                     for m in tables)  # fmt: skip
+        return reads
 
 
-def profiled_model(cell: Cell) -> torch.nn.Module:
-    """The torch model whose linears the operators are matched to (the Rust engine keeps the one its
-    weights came from)."""
-    return cell.engine.model
+PROFILES = {"torch": TorchProfile, "jax": JaxProfile}
 
 
 def run(cell: Cell) -> Result:
     cfg = cell.cfg
     if not issubclass(cell.opened.cls, SteppedEngine) and cell.opened.name != "rust":
         raise EngineLimit(f"experiment=profile needs an engine that steps; engine {cell.opened.name} does not")
-    if cell.opened.cls.framework != "torch":
-        raise EngineLimit(f"engine {cell.opened.name} runs on {cell.opened.cls.framework}: torch.profiler cannot "
-                          "see its operators (JAX's per-op profile is not read back yet)")  # fmt: skip
     n = cfg.max_new_tokens
     ids = cell.opened.encode(cfg.prompt)
     cell.require_fit(len(ids))
@@ -172,22 +185,19 @@ def run(cell: Cell) -> Result:
     folder = Path(cfg.evidence_dir) / str(cfg.sweep)
     name = f"profile-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}-{cfg.dtype}.json.gz"
     estimates: dict[str, list[float]] = defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json" if cfg.experiment.trace else None
-        shapes = linear_shapes(profiled_model(cell))
-        for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
-            one = profiled(cell, ids, 1, shapes, None)
-            many = profiled(cell, ids, n, shapes, raw if repeat == 0 else None)
-            for c in CLASSES[:-1]:
-                estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
-        if raw is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            with raw.open("rb") as src, gzip.open(folder / name, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+    profiler = PROFILES[cell.opened.cls.framework](cell.engine)
+    trace = folder / name if cfg.experiment.trace else None
+    if trace is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
+        one = profiler.run(lambda: cell.call(ids, 1), None)
+        many = profiler.run(lambda: cell.call(ids, n), trace if repeat == 0 else None)
+        for c in CLASSES[:-1]:
+            estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
     per_token = {c: statistics.median(values) for c, values in estimates.items()}
     operators = sum(per_token.values())
     per_token[BETWEEN] = step_s - operators
-    reads = read_bytes(cell)
+    reads = profiler.read_bytes()
     classes = [
         {"class": c, "ms_per_token": s * 1e3, "share": s / step_s, "bytes_per_token": reads.get(c),
          "gb_s": reads[c] / s / 1e9 if reads.get(c) and s > 0 else None}
@@ -196,7 +206,8 @@ def run(cell: Cell) -> Result:
     holds = operators <= step_s * (1 + OPERATOR_SLACK)
     result = Result(timers={
         "step_ms": "1 / median (N-1)/(T_N-T_1) of warm pairs, unprofiled, this cell",
-        "classes": "self time of each operator, N-token call less 1-token call, over N-1",
+        "classes": "each class's profiled time (torch: operator self time; jax: wall time split among the "
+                   "operations running at once), N-token call less 1-token call, over N-1",
     })  # fmt: skip
     result.measurements.update(
         step_ms=scalar(step_s * 1e3, "ms", method="unprofiled warm pairs in this cell", pairs=len(pairs.rates)),
@@ -212,17 +223,3 @@ def run(cell: Cell) -> Result:
                                 f"{step_s * 1e3:.3f} ms a token"}],  # fmt: skip
     )
     return result
-
-
-def read_bytes(cell: Cell) -> dict[str, int]:
-    """Bytes each class must read per token: the weights of its linears as held, the KV cache (every slot
-    of it, as a step over the whole cache reads), one row of each vocabulary table."""
-    model = profiled_model(cell)
-    reads = weight_bytes(model)
-    cache = cell.engine.cache_bytes()
-    if cache:
-        reads["attention"] = cache
-    tables = [m for n, m in model.named_modules() if n.endswith(("embed_tokens", "embed_tokens_per_layer"))]
-    reads["table lookups"] = sum(sum(t[0].nbytes for t in (*m.parameters(), *m.buffers()) if t.dim() == 2)
-                                 for m in tables)  # fmt: skip
-    return reads

@@ -9,32 +9,36 @@ import json
 import pytest
 
 from experiments.profile import CLASSES, WEIGHT_KINDS
+from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
 from reports.tables.profile import profile_table
 from runner import run_cell
 from tests.conftest import REPO, opened
 
 
-@pytest.mark.parametrize("engine", ["ring", "rust"])
+@pytest.mark.parametrize("engine", ["ring", "rust", "jax"])
 def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cache_dir, tmp_path, engine):
     if engine == "rust":
         pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
-    settings = ("engine.backend=eager",) if engine == "ring" else ()
-    record = run_cell(cell_cfg(f"engine={engine}", *settings, "experiment=profile", "max_new_tokens=4", "repeats=2"))
+    settings = {"ring": ("engine.backend=eager",), "jax": ("max_new_tokens=32",)}.get(engine, ())  # jax: tiny's
+    # step is under a millisecond and its 1-token call's noise several: 31 steps keep T_N > T_1
+    record = run_cell(cell_cfg(f"engine={engine}", "max_new_tokens=4", *settings, "experiment=profile", "repeats=2"))
     assert record["status"] == "ok", record["reason"]
     classes = {c["class"]: c for c in record["outputs"]["classes"]}
     assert list(classes) == list(CLASSES)
     step = record["measurements"]["step_ms"]["value"]
     assert sum(c["ms_per_token"] for c in classes.values()) == pytest.approx(step)
 
-    model = opened(f"cache_dir={cache_dir}", f"engine={engine}").load().model  # the same checkpoint, reloaded
+    torch_twin = "generate" if engine == "jax" else engine  # the same checkpoint and dtype, its torch model
+    model = opened(f"cache_dir={cache_dir}", f"engine={torch_twin}").load().model
     for kind, ends in WEIGHT_KINDS.items():  # every linear of the kind, by name, its weight's bytes
         held = sum(m.weight.nbytes for n, m in model.named_modules() if n.rpartition(".")[2] in ends)
         assert classes[kind]["bytes_per_token"] == held, kind
 
     trace = tmp_path / "runs" / record["outputs"]["trace"]
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    assert any(e.get("name") == "aten::mm" for e in events)
+    operation = ("ynn_fusion", "dot", "reduce") if engine == "jax" else ("aten::mm",)  # jax: XLA's, by HLO name
+    assert any(e.get("name", "").startswith(operation) for e in events)
     assert not trace.is_relative_to(REPO / "evidence" / "published")
 
     table = profile_table({record["cell"]: record})  # the report's table: the classes add up to the step
@@ -52,3 +56,38 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
 def test_an_engine_that_does_not_step_is_skipped(cell_cfg, tiny):
     record = run_cell(cell_cfg("engine=generate", "experiment=profile"))
     assert record["status"] == "skipped" and "needs an engine that steps" in record["reason"]
+
+
+HLO = """HloModule jit_decode_step
+
+%fused_computation.1 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %exponential = f32[4]{0} exponential(%param_0), metadata={op_name="jit(decode_step)/attention/exp"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %ynn_fusion.3 = f32[4]{0} fusion(%x), calls=%fused, metadata={op_name="jit(decode_step)/up_proj/reduce_sum"}
+  %copy_fusion = f32[4]{0} fusion(%ynn_fusion.3), kind=kLoop, calls=%fused_computation.1
+  ROOT %multiply.2 = f32[4]{0} multiply(%copy_fusion, %x), metadata={op_name="jit(decode_step)/mul"}
+}
+"""
+
+
+def test_xla_operations_are_classed_by_the_models_scopes_and_concurrent_time_is_split():
+    classes = instruction_classes(HLO)
+    assert classes["ynn_fusion.3"] == "weights: MLP"  # its own metadata
+    assert classes["copy_fusion"] == "attention"  # no metadata: its fused computation's root's
+    assert classes["multiply.2"] == "norms and elementwise"
+    events = [  # microseconds: the MLP op alone 0-10, with the attention op 10-14, attention alone 14-20,
+        {"ph": "X", "name": "PjitFunction(decode_step)", "ts": 0, "dur": 30},  # dispatch with nothing running
+        {"ph": "X", "name": "ynn_fusion.3", "ts": 0, "dur": 14},
+        {"ph": "X", "name": "copy_fusion", "ts": 10, "dur": 10},
+        {"ph": "X", "name": "end: copy_fusion", "ts": 20, "dur": 0},  # not an operation
+        {"ph": "X", "name": "multiply.2", "ts": 40, "dur": 5},  # outside the dispatch
+    ]
+    split = wall_split(events, classes)
+    assert split["weights: MLP"] == pytest.approx(12e-6) and split["attention"] == pytest.approx(8e-6)
+    assert split["host: dispatch and wrappers"] == pytest.approx(10e-6)
+    assert split["norms and elementwise"] == pytest.approx(5e-6)
+    assert sum(split.values()) == pytest.approx(35e-6), "the wall time covered, never more"
