@@ -11,14 +11,14 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
 from decodebench.checkpoint import PackedTable, load_model
-from decodebench.config import EngineConfig, Tables
+from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
 from engines import int4
 from engines.int4 import Weights
@@ -54,11 +54,15 @@ class SteppingEngineConfig(EngineConfig):
     """What every compiled-step engine shares.
 
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
+    ``inductor``: options for TorchInductor's compile (``torch.compile(options=...)``, e.g.
+    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels; ``freezing``: weights as
+    constants, prepacked); refused with any other backend.
     """
 
     backend: str = "auto"
     fullgraph: bool = False
     weights: Weights = Weights.dense
+    inductor: dict[str, Any] = field(default_factory=dict)
 
 
 class SteppingEngine(SteppedEngine):
@@ -100,6 +104,9 @@ class SteppingEngine(SteppedEngine):
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
+        if self.ctx.engine_cfg.inductor and self.backend != "inductor":
+            raise ConfigError(f"engine.inductor={dict(self.ctx.engine_cfg.inductor)} has no effect with backend "
+                              f"{self.backend}: it sets TorchInductor's options")  # fmt: skip
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 
@@ -115,7 +122,9 @@ class SteppingEngine(SteppedEngine):
         if self.backend == "none":
             return fn
         dynamic = None if self.dynamic_shapes() else False
-        return torch.compile(fn, backend=self.backend, dynamic=dynamic, fullgraph=self.ctx.engine_cfg.fullgraph)
+        options = dict(self.ctx.engine_cfg.inductor) or None
+        return torch.compile(fn, backend=self.backend, dynamic=dynamic, fullgraph=self.ctx.engine_cfg.fullgraph,
+                             options=options)  # fmt: skip
 
     def dynamic_shapes(self) -> bool:
         """Whether a compiled program may take a dimension that changes from call to call (one program for
@@ -168,6 +177,7 @@ class SteppingEngine(SteppedEngine):
             weights[f"{path.rpartition('.')[2]}_dense_bytes"] = rows * cols * self.ctx.dtype.itemsize
         return {
             "backend": self.backend,
+            "inductor": dict(self.ctx.engine_cfg.inductor),
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -38,3 +38,9 @@ def test_synthetic_shape_fields_are_checked_before_building(cell_cfg, override, 
     record = run_cell(cell_cfg(override, "model.name=bad-shape"))
     assert record["status"] == "failed" and message in record["reason"]
     assert "Traceback" not in record["reason"]
+
+
+def test_inductor_options_with_another_backend_are_refused_by_name(cell_cfg, tiny):
+    record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "+engine.inductor.cpp_wrapper=true"))
+    assert record["status"] == "failed"
+    assert "engine.inductor={'cpp_wrapper': True} has no effect with backend eager" in record["reason"]
