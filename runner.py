@@ -199,12 +199,12 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
         try:
             if engine_cls is None:
-                keep(record, experiment.run(Cell(run, device, None)))
+                keep(record, experiment.run(Cell(run, device, None, path)))
             else:
                 opened = open_engine(run, device)
                 record.model = {**record.model, **opened.checkpoint.provenance}
                 try:
-                    result = experiment.run(Cell(run, device, opened))
+                    result = experiment.run(Cell(run, device, opened, path))
                 finally:
                     if opened.engine is not None:
                         record.engine = opened.engine.describe()

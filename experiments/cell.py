@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from decodebench.config import RunConfig
@@ -64,7 +65,17 @@ class Cell:
     cfg: RunConfig
     device: Device
     opened: OpenEngine | None
+    evidence: Path | None = None  # the file this cell's record goes to
     load_s: float | None = None  # set by the load this cell timed
+
+    def beside(self, suffix: str) -> tuple[Path, str]:
+        """Where a file the cell keeps beside its evidence goes (the evidence file's name, ``.json`` replaced by
+        ``suffix``), and that path as the record names it: relative to ``evidence_dir``. Unique per cell, as
+        the evidence file's name is."""
+        if self.evidence is None:
+            raise RuntimeError("this cell writes no evidence file, so nothing can be kept beside it")
+        path = self.evidence.with_name(self.evidence.name.removesuffix(".json") + suffix)
+        return path, str(path.relative_to(self.cfg.evidence_dir))
 
     @property
     def engine(self) -> Engine:

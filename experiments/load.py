@@ -34,7 +34,7 @@ another machine's ``serve.py``) is loaded where it is served: AIPerf drives that
 own figures come only from a decodebench server (another names its metrics its own way: none, said so).
 
 AIPerf runs on the same machine as the engine (its processes are the cell's children: their CPU is the
-cell's own, not contention); its exports are kept beside the evidence (``<sweep>/load-<cell>/<level>/``).
+cell's own, not contention); its exports are kept beside the evidence (``<evidence file>.aiperf/<level>/``).
 """
 
 from __future__ import annotations
@@ -273,8 +273,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     read_every = max(cfg.read_every, 1)
     with cell.engine.reading_every(read_every):
         _, warmup_s, base = bare(cell, ids)
-    stem = f"load-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}"
-    kept = Path(cfg.evidence_dir) / str(cfg.sweep) / stem
+    kept, kept_name = cell.beside(".aiperf")
 
     tokens = exp.target_tokens  # the synthetic prompts' length: the warm-up reads as many
 
@@ -317,7 +316,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         read_every=read_every,
         prompts=exp.prompts,
         slo={"ttft_s": exp.slo.ttft_s, "tpot_s": exp.slo.tpot_s},
-        exports=f"{cfg.sweep}/{stem}",
+        exports=kept_name,
         engine_info=info,
         tool="AIPerf (locks/aiperf.txt, its own environment .venv-aiperf), on this machine beside the engine",
     )

@@ -182,13 +182,11 @@ def run(cell: Cell) -> Result:
     if not pairs.rates:
         raise EngineLimit(f"no warm pair kept T_N > T_1 ({pairs.check()['detail']}): no step time to attribute")
     step_s = 1 / statistics.median(pairs.rates)
-    folder = Path(cfg.evidence_dir) / str(cfg.sweep)
-    name = f"profile-{cfg.engine.name}-{cfg.model.name}-ctx{cfg.context}-{cfg.dtype}.json.gz"
     estimates: dict[str, list[float]] = defaultdict(list)
     profiler = PROFILES[cell.opened.cls.framework](cell.engine)
-    trace = folder / name if cfg.experiment.trace else None
+    trace, trace_name = cell.beside(".trace.json.gz") if cfg.experiment.trace else (None, None)
     if trace is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+        trace.parent.mkdir(parents=True, exist_ok=True)
     for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
         one = profiler.run(lambda: cell.call(ids, 1), None)
         many = profiler.run(lambda: cell.call(ids, n), trace if repeat == 0 else None)
@@ -217,7 +215,7 @@ def run(cell: Cell) -> Result:
     )
     result.outputs.update(
         classes=classes,
-        trace=f"{cfg.sweep}/{name}" if cfg.experiment.trace else None,
+        trace=trace_name,
         checks=[pairs.check(), {"rule": f"profiled operators within {OPERATOR_SLACK:.0%} of the unprofiled step",
                                 "holds": holds, "detail": f"operators {operators * 1e3:.3f} ms, step "
                                 f"{step_s * 1e3:.3f} ms a token"}],  # fmt: skip

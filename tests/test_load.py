@@ -12,11 +12,12 @@ from experiments.cell import Cell, MethodError
 from experiments.load import LoadExperimentConfig, held_to_method, text_prompts
 from reports.tables.load import load_table
 from runner import run_cell, typed_config
+from serving import aiperf
 from tests.conftest import make_cfg, opened
 
 
 @pytest.mark.slow
-def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_reports(cell_cfg, tiny):
+def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_reports(cell_cfg, tiny, tmp_path):
     record = run_cell(cell_cfg("engine=generate", "experiment=load", "experiment.concurrency=[1,4]",
                                "experiment.requests=8", "experiment.prompt_tokens=24", "max_new_tokens=8"))  # fmt: skip
     assert record["status"] == "ok", record["reason"]
@@ -34,6 +35,10 @@ def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_repo
     assert queue_four > 4 * queue_one
     table = load_table({"cell.json": record})
     assert list(table.level) == ["c1", "c4"] and list(table.queue_mean) == [queue_one, queue_four]
+    (evidence,) = (tmp_path / "runs" / "test").glob("*.json")  # AIPerf's exports beside it, named by it
+    kept = tmp_path / "runs" / record["outputs"]["exports"]
+    assert kept.name == evidence.name.removesuffix(".json") + ".aiperf"
+    assert all((kept / level / aiperf.CLIENT_EXPORT).is_file() for level in ("c1", "c4"))
 
 
 def figures(requests: int = 8, tokens: tuple[int, int] = (8, 8), counted: int = 8) -> dict:

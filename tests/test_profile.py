@@ -36,6 +36,8 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
         assert classes[kind]["bytes_per_token"] == held, kind
 
     trace = tmp_path / "runs" / record["outputs"]["trace"]
+    (evidence,) = (tmp_path / "runs" / "test").glob(f"{engine}-*.json")
+    assert trace.name == evidence.name.removesuffix(".json") + ".trace.json.gz", "named by its cell, never shared"
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     operation = ("ynn_fusion", "dot", "reduce") if engine == "jax" else ("aten::mm",)  # jax: XLA's, by HLO name
     assert any(e.get("name", "").startswith(operation) for e in events)

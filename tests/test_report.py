@@ -685,3 +685,12 @@ def test_a_failed_parity_check_is_named_and_never_counts_as_a_pass(tmp_path):
     decode = got["ring-decode-bfloat16"].text()
     assert decode.startswith("INVALID: its parity check failed (bfloat16: KL mean <= 0.001 nats, max <= 0.01: `")
     assert "ring-parity-bfloat16.json`)" in decode and verdicts.NO_PARITY not in decode
+
+
+def test_engine_settings_leave_out_an_empty_option_set_so_older_evidence_groups_with_newer():
+    from reports.tables.cells import engine_settings
+
+    assert engine_settings({"name": "ring", "weights": "int4", "inductor": {}}) == "weights=int4"
+    assert engine_settings({"name": "ring", "inductor": {"cpp_wrapper": True}, "weights": "int4"}) == (
+        "inductor={'cpp_wrapper': True} weights=int4"
+    )

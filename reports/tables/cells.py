@@ -164,6 +164,12 @@ _COLUMNS = [
 ]
 
 
+def engine_settings(engine: dict[str, Any]) -> str:
+    """An engine's settings as one line, ``key=value`` sorted by key; its name and empty option sets
+    (``inductor={}``: none given, as in evidence written before the setting existed) left out."""
+    return " ".join(f"{k}={v}" for k, v in sorted(engine.items()) if k != "name" and v != {})
+
+
 def fingerprint(env: dict[str, Any]) -> str:
     """The environment class of a cell: ``environment.fingerprint`` as recorded, or, for evidence written
     before it was, ``~`` and 11 hex digits of a SHA-256 over the CPU model, device name, torch and
@@ -214,7 +220,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "reason": r.reason,
         "experiment": cfg["experiment"]["name"],
         "engine": cfg["engine"]["name"],
-        "engine_config": " ".join(f"{k}={v}" for k, v in sorted(cfg["engine"].items()) if k != "name"),
+        "engine_config": engine_settings(cfg["engine"]),
         "model": cfg["model"]["name"] if r.model.get("kind") != "none" else "none",
         "checkpoint": r.model.get("key") or r.model.get("hub_id") or r.model.get("config_sha256_16") or "",
         "synthetic": bool(r.model.get("synthetic")),

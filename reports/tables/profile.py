@@ -6,8 +6,11 @@ from typing import Any
 
 import pandas as pd
 
-PROFILE_COLUMNS = ["file", "engine", "model", "synthetic", "device", "context", "step_ms", "bandwidth_gb_s", "class",
-                   "ms_per_token", "share", "bytes_per_token", "gb_s", "floor_ms", "gap_ms", "trace"]  # fmt: skip
+from reports.tables.cells import engine_settings
+
+PROFILE_COLUMNS = ["file", "engine", "settings", "model", "synthetic", "device", "context", "step_ms", "bandwidth_gb_s",
+                   "class", "ms_per_token", "share", "bytes_per_token", "gb_s", "floor_ms", "gap_ms",
+                   "trace"]  # fmt: skip
 
 
 def profile_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -23,6 +26,7 @@ def profile_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
         common = {
             "file": file,
             "engine": data["config"]["engine"]["name"],
+            "settings": engine_settings(data["config"]["engine"]),
             "model": data["config"]["model"]["name"],
             "synthetic": bool(data["model"].get("synthetic")),
             "device": data["environment"].get("device_kind"),
