@@ -105,3 +105,19 @@ def test_one_framework_holds_an_accelerator_per_process():
     claim("tpu", "torch", owners)
     with pytest.raises(DeviceHeld, match="hydra/launcher=isolated"):
         claim("tpu", "jax", owners)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_lm_heads_rounding_before_its_cast_leaves_every_bit_as_the_cast_alone(dtype):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engines.jax_model import linear
+
+    plan = type("P", (), {"dtype": jnp.dtype(dtype), "matmul": "reduce"})()  # the fields linear reads
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {name + ".weight": jax.random.normal(keys[0], (4096, 256), plan.dtype) for name in ("lm_head", "other")}
+    x = jax.random.normal(keys[1], (1, 256), plan.dtype) * 3
+    rounded, plain = (np.asarray(linear(x, params, name, plan), np.float32) for name in ("lm_head", "other"))
+    assert rounded.dtype == plain.dtype and np.array_equal(rounded, plain)
+    assert linear(x, params, "lm_head", plan).dtype == plan.dtype
