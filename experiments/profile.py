@@ -33,6 +33,7 @@ import shutil
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ class TorchProfile:
         self.model = engine.model  # the Rust engine keeps the torch model its weights came from
         self.shapes = linear_shapes(self.model)
 
-    def run(self, call: Any, trace: Path | None) -> dict[str, float]:
+    def run(self, call: Callable[[], Any], trace: Path | None) -> dict[str, float]:
         """``call`` once under the profiler: self seconds by class; the raw trace (gzip) to ``trace``."""
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             call()
