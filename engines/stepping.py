@@ -55,8 +55,8 @@ class SteppingEngineConfig(EngineConfig):
 
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
     ``inductor``: options for TorchInductor's compile (``torch.compile(options=...)``, e.g.
-    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels; ``freezing``: weights as
-    constants, prepacked); refused with any other backend.
+    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels); refused with any other
+    backend, and an option TorchInductor does not know is refused by it when the step compiles.
     """
 
     backend: str = "auto"
@@ -92,6 +92,10 @@ class SteppingEngine(SteppedEngine):
         return super().twin(engine_cfg, model_cfg)
 
     def load(self) -> None:
+        self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
+        if self.ctx.engine_cfg.inductor and self.backend != "inductor":  # refused before any weight is read
+            raise ConfigError(f"engine.inductor={dict(self.ctx.engine_cfg.inductor)} has no effect with backend "
+                              f"{self.backend}: it sets TorchInductor's options")  # fmt: skip
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         lookups = tuple(dict.fromkeys(self.kept_4bit(self.ctx.engine_cfg) + (int4.LOOKUPS if self.int4 else ())))
@@ -103,10 +107,6 @@ class SteppingEngine(SteppedEngine):
         if self.int4 and "lm_head" not in linears and self.model.config.tie_word_embeddings:
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
-        self.backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) or "none"
-        if self.ctx.engine_cfg.inductor and self.backend != "inductor":
-            raise ConfigError(f"engine.inductor={dict(self.ctx.engine_cfg.inductor)} has no effect with backend "
-                              f"{self.backend}: it sets TorchInductor's options")  # fmt: skip
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 

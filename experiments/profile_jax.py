@@ -145,5 +145,7 @@ class JaxProfile:
                 reads[kind] += sum(a.nbytes for a in jax.tree_util.tree_leaves(value))
             elif module in ("embed_tokens", "embed_tokens_per_layer"):
                 reads["table lookups"] += value.nbytes // value.shape[0]
-        reads["attention"] = self.engine.cache_bytes() or 0
+        cache = self.engine.cache_bytes()
+        if cache:
+            reads["attention"] = cache
         return dict(reads)
