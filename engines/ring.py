@@ -270,7 +270,8 @@ class RingEngine(SteppingEngine):
         ``row=1`` (the int): the last row, and Transformers runs only that row through the KV-shared layers
         (they write no keys or values, so the other rows' outputs there are never read)."""
         self.ring.begin(positions, valid)
-        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, logits_to_keep=row)
+        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, use_cache=False,
+                         logits_to_keep=row)
         return out.logits[:, -1]
 
     def read_piece(

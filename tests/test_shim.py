@@ -154,7 +154,8 @@ def test_the_lookup_prints_a_url_or_a_host():
 
 
 def start_serve(cache_dir: Path) -> tuple[subprocess.Popen, queue.Queue]:
-    command = [sys.executable, "serve.py", "engine=ring", "engine.backend=eager", f"model={MODEL}", "device=cpu",
+    """An upstream server in a process of its own: generate, which compiles nothing (the shim is the point)."""
+    command = [sys.executable, "serve.py", "engine=generate", f"model={MODEL}", "device=cpu",
                f"cache_dir={cache_dir}", "serve.port=0", "max_new_tokens=4"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -75,6 +75,10 @@ class IsolatedLauncher(LocalLauncher):
         executor.update_parameters(**executor_parameters(self.params))
         before = stamp(path)
         job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
+        # submitit waits up to 15 s for a finished job's result file to show through a network filesystem's
+        # caches; a local job writes it on this machine before its process ends, so a cell killed from outside
+        # (no result at all) would only hold the sweep up for that long
+        job._results_timeout_s = 0
         try:
             return job.result()
         except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as exc:
