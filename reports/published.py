@@ -11,6 +11,10 @@ import yaml
 
 from reports import method as method_key
 
+# libyaml's parser where PyYAML was built with it (its wheels are): the same safe constructor, several
+# times faster on these files, which every render reads twice
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 FIGURE_COLUMNS = [
     "id",
     "table",
@@ -55,7 +59,7 @@ class PublishedDataError(ValueError):
 def load(folder: Path) -> Published:
     articles, figures, derived = {}, {}, {}
     for path in sorted(Path(folder).glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=LOADER)
         name = path.stem
         rows = data.get("figures") or []
         for row in rows:
@@ -89,7 +93,7 @@ def load(folder: Path) -> Published:
 
 def _printed_scalars(path: Path) -> dict[str, dict[str, str]]:
     """Each figure's value, min and max exactly as the file spells them (YAML would read "3.00" as 3.0)."""
-    root = yaml.compose(path.read_text())
+    root = yaml.compose(path.read_text(), Loader=LOADER)
     out: dict[str, dict[str, str]] = {}
     figures = next((v for k, v in root.value if k.value == "figures"), None)
     for item in figures.value if figures is not None else []:
