@@ -99,7 +99,7 @@ sweep: setup
 # The suite on every core (pytest-xdist), each test module on one worker so module fixtures are built once.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n auto --dist loadscope
+	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
 # One E2B-shaped linear, dense bf16 against int4, on this machine's device (pytest-benchmark); its JSON
 # goes under evidence/bench/, where `make report` reads it.

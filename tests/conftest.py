@@ -69,9 +69,14 @@ def _single_thread_determinism():
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with the most ``slow`` tests first (stable otherwise): pytest-xdist hands whole modules to its
-    workers in this order, so the long ones start at once instead of one worker finishing them alone."""
+    """Modules with the most ``slow`` tests first, then those with the most tests (stable otherwise):
+    ``make test`` runs pytest-xdist with ``--dist loadscope --no-loadscope-reorder``, which hands whole
+    modules to its workers in this order, so the long ones start at once instead of one worker finishing
+    them alone while the other idles (xdist's own reorder, by test count only, put them last)."""
     slow: dict[str, int] = {}
+    tests: dict[str, int] = {}
     for item in items:
-        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.module.__name__])
+        name = item.module.__name__
+        slow[name] = slow.get(name, 0) + bool(item.get_closest_marker("slow"))
+        tests[name] = tests.get(name, 0) + 1
+    items.sort(key=lambda item: (-slow[item.module.__name__], -tests[item.module.__name__]))
