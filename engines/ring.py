@@ -268,7 +268,9 @@ class RingEngine(SteppingEngine):
     ) -> torch.Tensor:
         """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring;
         ``row=1`` (the int): the last row, and Transformers runs only that row through the KV-shared layers
-        (they write no keys or values, so the other rows' outputs there are never read)."""
+        (they write no keys or values, so the other rows' outputs there are never read). Transformers is asked
+        for no cache of its own (``use_cache=False``): the ring is the cache, and building Transformers' cache on
+        every forward only lengthened what TorchDynamo traces."""
         self.ring.begin(positions, valid)
         out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, use_cache=False,
                          logits_to_keep=row)

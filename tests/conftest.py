@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 # One intra-op thread per test process (and each process a test starts): pytest-xdist already puts a worker
@@ -73,10 +74,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ``make test`` runs pytest-xdist with ``--dist loadscope --no-loadscope-reorder``, which hands whole
     modules to its workers in this order, so the long ones start at once instead of one worker finishing
     them alone while the other idles (xdist's own reorder, by test count only, put them last)."""
-    slow: dict[str, int] = {}
-    tests: dict[str, int] = {}
-    for item in items:
-        name = item.module.__name__
-        slow[name] = slow.get(name, 0) + bool(item.get_closest_marker("slow"))
-        tests[name] = tests.get(name, 0) + 1
+    slow = Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    tests = Counter(item.module.__name__ for item in items)
     items.sort(key=lambda item: (-slow[item.module.__name__], -tests[item.module.__name__]))
