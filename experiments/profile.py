@@ -155,12 +155,9 @@ class TorchProfile:
         return attribute(prof.key_averages(group_by_input_shape=True), self.shapes)
 
     def read_bytes(self) -> dict[str, int]:
-        """Bytes each class must read per token: the weights of its linears as held, the KV cache (every slot
-        of it, as a step over the whole cache reads), one row of each vocabulary table."""
+        """Bytes the model's own arrays make each class read per token (the KV cache is the engine's: ``run``
+        adds it): the weights of its linears as held, one row of each vocabulary table."""
         reads = weight_bytes(self.model)
-        cache = self.engine.cache_bytes()
-        if cache:
-            reads["attention"] = cache
         tables = [m for n, m in self.model.named_modules() if n.endswith(("embed_tokens", "embed_tokens_per_layer"))]
         reads["table lookups"] = sum(sum(t[0].nbytes for t in (*m.parameters(), *m.buffers()) if t.dim() == 2)
                                      for m in tables)  # fmt: skip
@@ -197,6 +194,8 @@ def run(cell: Cell) -> Result:
     operators = sum(per_token.values())
     per_token[BETWEEN] = step_s - operators
     reads = profiler.read_bytes()
+    if cache := cell.engine.cache_bytes():  # every slot of the KV cache, as a step over the whole cache reads
+        reads["attention"] = cache
     classes = [
         {"class": c, "ms_per_token": s * 1e3, "share": s / step_s, "bytes_per_token": reads.get(c),
          "gb_s": reads[c] / s / 1e9 if reads.get(c) and s > 0 else None}

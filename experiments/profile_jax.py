@@ -133,8 +133,9 @@ class JaxProfile:
         return wall_split(events, self.classes)
 
     def read_bytes(self) -> dict[str, int]:
-        """Bytes each class must read per token: every linear's arrays as held (4-bit words and scales
-        where kept so), the KV cache, one row of each vocabulary table."""
+        """Bytes the model's own arrays make each class read per token (the KV cache is the engine's: ``run``
+        adds it): every linear's arrays as held (4-bit words and scales where kept so), one row of each
+        vocabulary table."""
         import jax
 
         reads: dict[str, int] = defaultdict(int)
@@ -145,7 +146,4 @@ class JaxProfile:
                 reads[kind] += sum(a.nbytes for a in jax.tree_util.tree_leaves(value))
             elif module in ("embed_tokens", "embed_tokens_per_layer"):
                 reads["table lookups"] += value.nbytes // value.shape[0]
-        cache = self.engine.cache_bytes()
-        if cache:
-            reads["attention"] = cache
         return dict(reads)

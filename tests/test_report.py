@@ -694,3 +694,13 @@ def test_engine_settings_leave_out_an_empty_option_set_so_older_evidence_groups_
     assert engine_settings({"name": "ring", "inductor": {"cpp_wrapper": True}, "weights": "int4"}) == (
         "inductor={'cpp_wrapper': True} weights=int4"
     )
+
+
+def test_the_published_files_read_with_libyaml_as_with_pyyamls_own_parser(monkeypatch):
+    fast = published.load(PUBLISHED)
+    monkeypatch.setattr(published, "LOADER", yaml.SafeLoader)  # the pure-Python parser, the same constructor
+    plain = published.load(PUBLISHED)
+    assert fast.articles == plain.articles and fast.derived == plain.derived
+    assert fast.figures.keys() == plain.figures.keys()
+    for name, frame in fast.figures.items():
+        pd.testing.assert_frame_equal(frame, plain.figures[name])
