@@ -81,16 +81,24 @@ compare: setup
 	$(BIN)/python -m reports.compare "$(A)" "$(B)" $(if $(THRESHOLD),--threshold $(THRESHOLD)) $(if $(OUT),--out $(OUT))
 
 # Every row of both articles as it was run (conf/way/<article>/<row>.yaml), each cell in its own process
-# (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason. Then
-# each distinct engine setting's bf16 parity check (scripts/way_checks.py), so that its rows can be VALID.
+# (hydra/launcher=isolated), into one sweep; ways this device cannot run are skipped with the reason. The
+# decode ways run with the A/A copies, the others (recall, serve: no noise figure reads them) once, then
+# each distinct engine setting's bf16 parity check, so that its rows can be VALID (scripts/ways.py).
 WAYS ?= $(shell cd conf/way && ls */*.yaml | sed 's/\.yaml$$//' | paste -sd, -)
 REPRODUCE_MODEL ?= tiny
-# The noise floor: every cell twice, the copies interleaved (replica is the first axis); NOISE= turns it off.
+# The noise floor: every decode cell twice, the copies interleaved (replica is the first axis); NOISE= turns it off.
 NOISE ?= replica=0,1
+REPRODUCE = $(BIN)/python run.py -m hydra/launcher=isolated model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
 reproduce: setup
-	$(BIN)/python run.py -m hydra/launcher=isolated $(NOISE) "way=$(WAYS)" model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
-	$(BIN)/python run.py -m hydra/launcher=isolated "way=$$($(BIN)/python -m scripts.way_checks $(WAYS))" experiment=parity-bf16 \
-	  model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
+	@for step in noise once checks; do \
+	  ways=$$($(BIN)/python -m scripts.ways $$step "$(WAYS)") || exit 1; \
+	  [ -n "$$ways" ] || continue; \
+	  case $$step in \
+	    noise) $(REPRODUCE) $(NOISE) "way=$$ways" ;; \
+	    once) $(REPRODUCE) "way=$$ways" ;; \
+	    checks) $(REPRODUCE) "way=$$ways" experiment=parity-bf16 ;; \
+	  esac || exit 1; \
+	done
 	$(MAKE) --no-print-directory report
 
 sweep: setup

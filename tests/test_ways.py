@@ -7,6 +7,7 @@ import pytest
 
 from decodebench.config import ConfigError
 from runner import WAYS, check_way, run_cell, typed_config, way_checks, way_settings
+from scripts.ways import select
 from tests.conftest import REPO, make_cfg, opened
 
 ALL_WAYS = sorted(p.relative_to(WAYS).with_suffix("").as_posix() for p in WAYS.rglob("*.yaml"))
@@ -80,7 +81,7 @@ def test_a_static_backend_that_would_not_take_effect_is_refused_by_name(settings
 
 def test_reproduce_checks_each_distinct_engine_setting_once():
     checks = way_checks(ALL_WAYS)
-    assert "scripts/way_checks.py" in (REPO / "Makefile").read_text() and len(checks) < len(ALL_WAYS)
+    assert checks == select("checks", ALL_WAYS) and len(checks) < len(ALL_WAYS)
     # generate with Transformers' default loading: notebook 02's "compressed", 03's torch_eager, 04's generate
     assert "nb02/compressed" in checks and "nb03/torch_eager" not in checks and "nb04/generate" not in checks
     assert "nb02/eager" in checks  # unpacked at load: another setting
@@ -89,6 +90,19 @@ def test_reproduce_checks_each_distinct_engine_setting_once():
     for way in ALL_WAYS:  # every way is covered by a check of its engine and settings
         engine = {k: v for k, v in way_settings(way).items() if k.startswith("engine.")}
         assert any(engine == {k: v for k, v in way_settings(c).items() if k.startswith("engine.")} for c in checks)
+
+
+def test_reproduce_copies_only_the_ways_the_noise_floor_reads():
+    """The A/A copies measure decode rates' noise (reports.noise); a recall or serve way runs once."""
+    noise, once = select("noise", ALL_WAYS), select("once", ALL_WAYS)
+    assert sorted(noise + once) == ALL_WAYS
+    assert {way_settings(w)["experiment.name"] for w in noise} == {"decode"}
+    assert {way_settings(w)["experiment.name"] for w in once} == {"recall", "serve"}
+    assert "nb05/recall-131k" in once and "nb05/ring-131k" in noise
+    assert select("once", ["nb04/compiled"]) == []  # nothing to run: the step is left out
+    makefile = (REPO / "Makefile").read_text()
+    assert "scripts.ways $$step" in makefile and 'noise) $(REPRODUCE) $(NOISE) "way=$$ways"' in makefile
+    assert 'once) $(REPRODUCE) "way=$$ways"' in makefile
 
 
 def test_the_buffer_ways_check_runs_generate_compiling_its_forward_with_the_wrappers_on(cell_cfg, tiny):
