@@ -240,7 +240,8 @@ def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiper
     with tempfile.TemporaryDirectory(prefix=f"aiperf-{level.name}-") as tmp:
         out = Path(tmp)
         command = aiperf.level_command(url, model, cell.opened.checkpoint.path.resolve(), level, work, out)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, cwd=tmp)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, cwd=tmp,
+                              env=aiperf.environment(out))  # fmt: skip
         if done.returncode != 0:
             log = out / "logs" / "aiperf.log"
             text = (done.stdout + done.stderr + (log.read_text() if log.exists() else "")).strip()

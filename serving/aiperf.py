@@ -18,6 +18,7 @@ E2EL.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,13 @@ def missing() -> str | None:
     if not TOOL.exists():
         return f"AIPerf is not installed at {TOOL.relative_to(ROOT)} (`make setup` installs it from locks/aiperf.txt)"
     return None
+
+
+def environment(work_dir: Path) -> dict[str, str]:
+    """The environment AIPerf runs in: this one, with its temporary files (a memory-mapped dataset and
+    socket folders it leaves in the system's temporary folder) under ``work_dir``, removed with it. Unix
+    socket paths are short (108 bytes), so ``work_dir`` must be too: a folder in the system's own."""
+    return {**os.environ, "TMPDIR": str(work_dir)}
 
 
 def level_command(url: str, model: str, tokenizer: Path, level: Level, work: Workload, out: Path) -> list[str]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +20,13 @@ from tests.conftest import make_cfg, opened
 
 
 @pytest.mark.slow
-def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_reports(cell_cfg, tiny, tmp_path):
+def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_reports(cell_cfg, tiny, tmp_path,
+                                                                                   monkeypatch, request):  # fmt: skip
+    # the system's temporary folder for this test (short: AIPerf's sockets live there): AIPerf leaves nothing
+    scratch = Path(tempfile.mkdtemp(prefix="db-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     record = run_cell(cell_cfg("engine=generate", "experiment=load", "experiment.concurrency=[1,4]",
                                "experiment.requests=8", "experiment.prompt_tokens=24", "max_new_tokens=8"))  # fmt: skip
     assert record["status"] == "ok", record["reason"]
@@ -39,6 +48,7 @@ def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_repo
     kept = tmp_path / "runs" / record["outputs"]["exports"]
     assert kept.name == evidence.name.removesuffix(".json") + ".aiperf"
     assert all((kept / level / aiperf.CLIENT_EXPORT).is_file() for level in ("c1", "c4"))
+    assert not list(scratch.iterdir()), "AIPerf's temporary files go with the level's own folder"
 
 
 def figures(requests: int = 8, tokens: tuple[int, int] = (8, 8), counted: int = 8) -> dict:
