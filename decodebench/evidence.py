@@ -26,6 +26,7 @@ BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's fi
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
 BOOT_SCHEMA_PATH = SCHEMA_PATH.with_name("boot.schema.json")
 # Settings that say where and how evidence is kept (or where a server listens), not what was measured.
+DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
 NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host", "serve")
 
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import pandas as pd
 
+from decodebench.evidence import DECODE_EXPERIMENTS
 from reports.arithmetic import token_bytes
-from reports.tables.cells import DECODE_EXPERIMENTS
 
 VALID, INVALID, FAILED, SKIPPED = "VALID", "INVALID", "FAILED", "SKIPPED"
 NO_PARITY = "no parity check for this engine, checkpoint, dtype and settings"

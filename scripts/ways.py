@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from reports.tables.cells import DECODE_EXPERIMENTS
+from decodebench.evidence import DECODE_EXPERIMENTS
 from runner import way_checks, way_settings
 
 

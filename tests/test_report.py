@@ -83,7 +83,7 @@ def test_report_sections_and_labels(evidence_dir, tmp_path):
     # and listed with its verdict: a cell measured on a busy machine is INVALID, and the report says why.
     ev = cells.load(evidence_dir, REPO)
     every = verdicts.judge(ev.cells, ev.records)
-    decode = ev.cells[(ev.cells.status == "ok") & ev.cells.experiment.isin(cells.DECODE_EXPERIMENTS)]
+    decode = ev.cells[(ev.cells.status == "ok") & ev.cells.experiment.isin(evidence.DECODE_EXPERIMENTS)]
     assert set(decode.engine) == {"generate", "ring"}
     table = report[report.index("## Decode") : report.index("### Memory")]
     for file in decode.file:

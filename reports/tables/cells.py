@@ -42,7 +42,6 @@ GROUP = [
     "replica",
 ]
 
-DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
 BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
                 "started_utc", "versions", "dry_run", "detail", "measurements"]  # fmt: skip
 

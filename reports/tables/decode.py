@@ -16,7 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-from reports.tables.cells import DECODE_EXPERIMENTS, GROUP
+from decodebench.evidence import DECODE_EXPERIMENTS
+from reports.tables.cells import GROUP
 from reports.uncertainty import sampled
 from reports.verdicts import INVALID, VALID, Verdict
 
