@@ -25,8 +25,8 @@ SCHEMA_VERSION = "1.0"
 BOOT = "boot"  # the ``kind`` of a boot-stage file (scripts/tpu_vm); a cell's file has no kind
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "evidence" / "schema.json"
 BOOT_SCHEMA_PATH = SCHEMA_PATH.with_name("boot.schema.json")
-# Settings that say where and how evidence is kept (or where a server listens), not what was measured.
 DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
+# Settings that say where and how evidence is kept (or where a server listens), not what was measured.
 NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host", "serve")
 
 
