@@ -86,7 +86,8 @@ compare: setup
 # each distinct engine setting's bf16 parity check, so that its rows can be VALID (scripts/ways.py).
 WAYS ?= $(shell cd conf/way && ls */*.yaml | sed 's/\.yaml$$//' | paste -sd, -)
 REPRODUCE_MODEL ?= tiny
-# The noise floor: every decode cell twice, the copies interleaved (replica is the first axis); NOISE= turns it off.
+# The noise floor: every decode cell twice. replica is the first axis, so the decode ways run in full, then again:
+# each copy comes one pass after its first, among the other cells. NOISE= turns it off.
 NOISE ?= replica=0,1
 REPRODUCE = $(BIN)/python run.py -m hydra/launcher=isolated model=$(REPRODUCE_MODEL) sweep=reproduce-$(REPRODUCE_MODEL)
 reproduce: setup
