@@ -25,7 +25,7 @@ def select(selection: str, ways: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("selection", choices=["noise", "once", "checks"])
     parser.add_argument("ways", help="comma-separated way names (conf/way/<article>/<row>)")
     args = parser.parse_args()
