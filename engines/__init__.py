@@ -51,6 +51,11 @@ def takers(setting: str) -> list[str]:
     return sorted(name for name, cls in ENGINES.items() if setting in {f.name for f in fields(cls.config)})
 
 
+def streamers() -> list[str]:
+    """The engines that read tokens back to the host themselves, every ``read_every`` tokens."""
+    return sorted(name for name, cls in ENGINES.items() if cls.streams)
+
+
 def register_configs(cs: ConfigStore) -> None:
     for name, cls in ENGINES.items():
         node = OmegaConf.structured(cls.config(name=name))

@@ -23,7 +23,7 @@ from decodebench.checkpoint import Checkpoint, load_tokenizer, resolve
 from decodebench.config import ConfigError, RunConfig
 from decodebench.device import Device
 from decodebench.prompts import prompt_ids
-from engines import engine_class
+from engines import engine_class, streamers
 from engines.base import CONTEXT_HEADROOM, Engine, EngineContext, EngineLimit
 
 
@@ -127,9 +127,16 @@ def open_engine(run: RunConfig, device: Device) -> OpenEngine:
     """The engine ``run.engine`` names, on ``device``, prepared but not loaded.
 
     Raises ``EngineLimit`` when the engine cannot run here (the cell is skipped, with the reason) and
-    ``ConfigError`` when the context is more than the model can address.
+    ``ConfigError`` when the context is more than the model can address, or ``read_every`` asks an engine
+    that hands over every token as it is made (it does not read tokens back itself) for batches of more.
     """
     cls = engine_class(run.engine.name)
+    if run.read_every > 1 and not cls.streams:
+        raise ConfigError(
+            f"read_every={run.read_every} has no effect on engine {cls.name}: it does not read tokens back itself "
+            f"(it hands each token or chunk over as it comes; read_every 0 or 1), batched read-backs are a "
+            f"setting of {', '.join(streamers())}"
+        )
     reason = cls.unsupported_reason(device, run)
     if reason:
         raise EngineLimit(reason)

@@ -44,3 +44,14 @@ def test_inductor_options_with_another_backend_are_refused_by_name(cell_cfg, tin
     record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "+engine.inductor.cpp_wrapper=true"))
     assert record["status"] == "failed"
     assert "engine.inductor={'cpp_wrapper': True} has no effect with backend eager" in record["reason"]
+
+
+@pytest.mark.parametrize("engine", ["generate", "static"])
+def test_read_every_is_refused_by_name_where_the_engine_does_not_read_back_itself(cell_cfg, tiny, engine):
+    record = run_cell(cell_cfg(f"engine={engine}", "read_every=3", "max_new_tokens=4"))
+    assert record["status"] == "failed"
+    assert f"read_every=3 has no effect on engine {engine}" in record["reason"]
+    assert "compiled, jax, ring, rust, table4" in record["reason"]
+    assert "Traceback" not in record["reason"]
+    streamed = run_cell(cell_cfg(f"engine={engine}", "read_every=1", "max_new_tokens=4", "repeats=1"))
+    assert streamed["status"] == "ok", streamed["reason"]
