@@ -131,9 +131,9 @@ def _sweep_rate_input(name: str, run: dict[str, Any], sweep: str) -> Input:
     return Input(name, run["interval"].value, "tok/s", ", ".join(run["files"]), f"sweep {sweep}", run["interval"])
 
 
-# Rows compared by a ratio share these (and so their environment, A/A copy and prompt) besides the engine.
+# Rows compared by a ratio share these (and so their environment, code, A/A copy and prompt) besides the engine.
 RATIO_SAME = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens", "prompt_tokens",
-              "fingerprint", "replica"]  # fmt: skip
+              "fingerprint", "code", "replica"]  # fmt: skip
 
 
 def decode_ratios(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> list[Entry]:
@@ -166,7 +166,7 @@ def decode_ratios(decode: pd.DataFrame, floors: dict[str, float] | None = None) 
 
 
 JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens", "prompt_tokens", "fingerprint",
-                 "replica"]  # fmt: skip
+                 "code", "replica"]  # fmt: skip
 JAX_GAP_PUBLISHED = ("jax_vs_best_torch_nb03", "jax_w4a16_vs_best_torch_nb03", "jax_vs_table4_nb04")
 
 

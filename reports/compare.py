@@ -34,7 +34,8 @@ from reports.uncertainty import NO_DIFFERENCE, WITHIN_FLOOR, Ratio, ratio, shown
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "evidence" / "runs"
-JOIN = [c for c in GROUP if c not in ("fingerprint", "device_name")]  # the same measurement on any machine
+# the same measurement on any machine, made by any code
+JOIN = [c for c in GROUP if c not in ("fingerprint", "code", "device_name")]
 REGRESSION = "REGRESSION"
 SHOWN_KEY = {"engine": "engine", "engine_config": "engine config", "model": "model", "device": "device",
              "context": "context", "dtype": "dtype", "max_new_tokens": "N", "read_every": "read every",

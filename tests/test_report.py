@@ -218,6 +218,7 @@ def row(**values) -> pd.Series:
         "bandwidth_source": "facts file",
         "prompt_tokens": 19,
         "fingerprint": "env",
+        "code": "",
         "replica": 0,
         "key": "m/k/tpu/ctx256/bfloat16/N=64/read_every=0",
         "weights": "dense",
@@ -666,7 +667,7 @@ def test_arithmetic_writes_out_every_figure_of_a_valid_row(tmp_path):
     )
     result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
     arith = result.arithmetic.read_text()
-    key = "m/m-k/cpu/ctx256/P=10/bfloat16/N=8/read_every=0/env=env-a"
+    key = "m/m-k/cpu/ctx256/P=10/bfloat16/N=8/read_every=0/code=aaaaaaaaaaaa/env=env-a"
     for entry in ("decode-ratio/ring-vs-generate", "roofline/ring", "bytes-per-token/ring", "usd-per-mtok/ring"):
         assert f"[{entry}/{key}]" in arith
     assert f"inputs:  ring_tok_s = 50.5 tok/s [50, 51] n=2 (pooled median) <- {tmp_path.name}/s/ring-decode" in arith
@@ -706,3 +707,27 @@ def test_the_published_files_read_with_libyaml_as_with_pyyamls_own_parser(monkey
     assert fast.figures.keys() == plain.figures.keys()
     for name, frame in fast.figures.items():
         pd.testing.assert_frame_equal(frame, plain.figures[name])
+
+
+def test_cells_of_other_code_are_never_pooled_nor_divided_by_each_other(tmp_path):
+    """The same settings run by two commits (one of them with an uncommitted change) are two rows, each with
+    its own x generate; a ratio never divides one commit's rate by another's."""
+    before, after = "a" * 40, "b" * 40
+    write(
+        tmp_path,
+        *(cell_record(e, experiment="parity") for e in ("generate", "ring")),
+        cell_record("generate", (10.0, 10.0), sweep="before", git_sha=before),
+        cell_record("ring", (50.0, 50.0), sweep="before", git_sha=before),
+        cell_record("generate", (20.0, 20.0), sweep="after", git_sha=after),
+        cell_record("ring", (60.0, 60.0), sweep="after", git_sha=after),
+    )
+    _, _, decode = judged(tmp_path)
+    rows = decode.set_index(["engine", "code"]).sort_index()
+    assert list(rows.index) == [("generate", "a" * 12), ("generate", "b" * 12), ("ring", "a" * 12), ("ring", "b" * 12)]
+    assert rows.loc[("ring", "a" * 12)].decode_values == [50.0, 50.0], "not pooled with the other commit's 60s"
+    ratios = {e.key.split("/code=")[1].split("/")[0]: e.result for e in arithmetic.decode_ratios(decode)}
+    assert ratios == {"a" * 12: pytest.approx(5.0), "b" * 12: pytest.approx(3.0)}
+    assert cells.code({"git_sha": after, "git_dirty": True, "git_diff_sha256_16": "0123456789abcdef"}) == (
+        "b" * 12 + "+0123456789abcdef"
+    )
+    assert cells.code({"git_sha": None}) == "", "evidence that names no commit is one group, as before"

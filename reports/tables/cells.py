@@ -20,8 +20,8 @@ from decodebench import evidence
 from reports import method
 
 # The settings that make two cells the same measurement; cells sharing them pool their raw samples. Cells of
-# different environments (``fingerprint``), A/A copies (``replica``), prompts and ways (``config.way``, the
-# article row a cell names) are never pooled.
+# different environments (``fingerprint``), code (``code``: the commit and any uncommitted change), A/A copies
+# (``replica``), prompts and ways (``config.way``, the article row a cell names) are never pooled.
 GROUP = [
     "experiment",
     "engine",
@@ -39,6 +39,7 @@ GROUP = [
     "prompt",
     "way",
     "fingerprint",
+    "code",
     "replica",
 ]
 
@@ -180,6 +181,16 @@ def fingerprint(env: dict[str, Any]) -> str:
     return "~" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:11]
 
 
+def code(env: dict[str, Any]) -> str:
+    """The code a cell ran: its commit's first 12 hex digits, with ``+`` and the hash of the uncommitted
+    change where the tree differed from it (``+dirty`` where that hash was not recorded); empty where the
+    evidence names no commit (written outside a git checkout, or before it was recorded)."""
+    sha = (env.get("git_sha") or "")[:12]
+    if not sha or not env.get("git_dirty"):
+        return sha
+    return f"{sha}+{env.get('git_diff_sha256_16') or 'dirty'}"
+
+
 def parity_bounds(cfg: dict[str, Any]) -> str | None:
     """What a parity cell's verdict held, from its config: ``parity`` (float32, every token equal) and
     ``parity-bf16`` (bfloat16, the KL up to the first differing token) share the experiment name."""
@@ -229,6 +240,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "dtype": cfg["dtype"],
         "read_every": cfg.get("read_every", 0),
         "fingerprint": fingerprint(env),
+        "code": code(env),
         "replica": int(cfg.get("replica", 0)),
         "prompt_tokens": r.value("prompt_tokens"),
         "prompt": cfg.get("prompt"),

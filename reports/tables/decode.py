@@ -138,15 +138,17 @@ def _bandwidth(cells: pd.DataFrame) -> tuple[float | None, str | None]:
 
 
 def _key(row: pd.Series) -> str:
-    """The row's name in arithmetic.txt keys (with the engine before it): settings, prompt tokens (P),
-    environment fingerprint (env) and, for an A/A copy, its replica."""
+    """The row's name in arithmetic.txt keys (with the engine before it): settings, prompt tokens (P), the
+    code (where the evidence names its commit), environment fingerprint (env) and, for an A/A copy, its
+    replica."""
     engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
     replica = f"/replica={row.replica}" if row.replica else ""
     prompt = "" if pd.isna(row.prompt_tokens) else f"/P={int(row.prompt_tokens)}"
     way = f"/way={row.way}" if isinstance(row.way, str) else ""
+    code = f"/code={row.code}" if row.code else ""
     return (
         f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}{prompt}/{row['dtype']}/N={_count(row.max_new_tokens)}"
-        f"/read_every={row.read_every}{engine}{way}/env={row.fingerprint}{replica}"
+        f"/read_every={row.read_every}{engine}{way}{code}/env={row.fingerprint}{replica}"
     )
 
 
@@ -163,7 +165,8 @@ def _label(row: pd.Series) -> str:
     replica = f", replica {row.replica}" if row.replica else ""
     way = f", way {row.way}" if isinstance(row.way, str) else ""
     where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}"
-    return f"{row.engine} ({where}{stream}{backend}{way}{replica}, env {row.fingerprint})"
+    code = f" @ {row.code}" if row.code else ""
+    return f"{row.engine} ({where}{stream}{backend}{way}{replica}, env {row.fingerprint}{code})"
 
 
 def left_out(table: pd.DataFrame) -> pd.DataFrame:
