@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from decodebench import exit_status
 from decodebench.config import ConfigError
+from hydra_plugins.decodebench_launcher.isolated import start_method
 from runner import validate_sweep_engines
 from tests.conftest import REPO
 
@@ -26,7 +26,7 @@ def sweep(cache_dir: Path, evidence_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "run.py", *args, f"evidence_dir={evidence_dir}", *extra],
         cwd=REPO,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "7"},  # the cells must see the sweep's GPUs, not submitit's none
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "7"},  # the cells must see the sweep's GPUs
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -81,20 +81,6 @@ def test_a_killed_cell_is_failed_evidence_and_resume_reruns_only_it(cache_dir, t
     }
 
 
-def test_the_exit_status_wrapper_records_how_its_child_ended(tmp_path, monkeypatch):
-    status = tmp_path / "status.json"
-    assert exit_status.run(status, [sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
-    assert exit_status.read(status) == 3
-    killer = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
-    assert exit_status.run(status, [sys.executable, "-c", killer]) == -9
-    assert "killed by SIGKILL (signal 9)" in exit_status.describe(exit_status.read(status))
-    monkeypatch.setenv("Y", "set in the parent")
-    sees_x = "import os, sys; sys.exit(0 if os.environ.get('X') == '1' and 'Y' not in os.environ else 4)"
-    assert exit_status.run(status, [sys.executable, "-c", sees_x], {"X": "1", "Y": None}) == 0
-    assert "exited with status 3" in exit_status.describe(3)
-    assert exit_status.read(tmp_path / "missing.json") is None
-
-
 def test_a_tpu_sweep_mixing_jax_and_pytorch_needs_the_isolated_launcher():
     with pytest.raises(ConfigError, match="hydra/launcher=isolated"):
         validate_sweep_engines(["generate", "jax"], "tpu", "basic")
@@ -111,15 +97,26 @@ def test_the_sweep_is_refused_before_any_cell_runs(tmp_path):
     assert not list(tmp_path.rglob("*.json"))
 
 
-def test_a_timed_out_cell_is_not_requeued(tmp_path):
-    """submitit requeues a timed-out job whose callable resubmits itself from ``checkpoint``; ours returns
-    None, so submitit's own check gives a reason not to requeue (and the cell is recorded failed)."""
-    import submitit
-    from submitit.core.job_environment import _checkpoint
+@pytest.mark.slow
+def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_on(cache_dir, tiny, tmp_path):
+    hook = "+hydra.callbacks.stall"
+    proc = sweep(
+        cache_dir,
+        tmp_path / "runs",
+        "hydra.launcher.timeout_min=0.1",  # 6 s: the stalled cell waits 120 s to be killed
+        f"{hook}._target_=tests.sweep_hooks.WaitToBeKilled",
+        f"{hook}.engine=static",
+        f"{hook}.pid_file={tmp_path / 'static.pid'}",
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    cells = statuses(tmp_path / "runs" / "iso")
+    assert cells["generate"]["status"] == "ok", "the sweep went on"
+    stalled = cells["static"]
+    assert stalled["status"] == "failed"
+    assert "ran past hydra.launcher.timeout_min=0.1 and was stopped" in stalled["reason"]
+    assert "killed by SIGTERM (signal 15)" in stalled["reason"] and "exit status -15" in stalled["reason"]
 
-    from hydra_plugins.decodebench_launcher.isolated import IsolatedLauncher
 
-    launcher = IsolatedLauncher.__new__(IsolatedLauncher)
-    delayed = submitit.helpers.DelayedSubmission(launcher, ["engine=generate"], "hydra.sweep.dir", 0, "job", {})
-    assert _checkpoint(delayed, tmp_path / "submitted.pkl", countdown=3) == "checkpoint function returned None"
-    assert not (tmp_path / "submitted.pkl").exists(), "nothing was dumped for a requeue"
+def test_each_cell_is_a_fork_of_a_clean_interpreter_and_a_fresh_one_on_a_tpu():
+    assert start_method(tpu=False) == "forkserver" and start_method(tpu=True) == "spawn"

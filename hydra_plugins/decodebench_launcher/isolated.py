@@ -1,57 +1,64 @@
 """The isolated launcher (``hydra/launcher=isolated``, ``conf/hydra/launcher/isolated.yaml``): every cell
-of a sweep in a fresh process, one after another.
+of a sweep in a process of its own, one after another, so cells never share the machine or a framework's
+state (compiled programs, a chip held by one framework).
 
-It is hydra-submitit-launcher's local launcher run one job at a time (so cells never share the
-machine), with one addition: the process that waits on each cell is ``decodebench.exit_status``,
-which records the cell's exit status that submitit's controller drops. A cell whose process dies
-before it writes its evidence (SIGKILL from the kernel's out-of-memory killer or a user, a crash in
-native code) gets a ``failed`` evidence file written here, in the sweep's process, naming the signal;
-the sweep goes on, and ``resume=true`` reruns only the cells that are not ok (checked here, before a
-process is started for them).
+The processes come from Python's ``multiprocessing`` fork server: at the sweep's first cell it starts one
+fresh interpreter that imports ``runner`` (torch, Transformers, the engines: about 5 s) and runs nothing
+else; each cell is a fork of it, so a cell starts with the modules imported and nothing compiled, opened
+or run. On a TPU each cell is a fresh interpreter instead (``spawn``): whether torch_tpu's import leaves
+state that a fork must not share cannot be checked off a TPU. A cell whose process dies before it writes
+its evidence (SIGKILL from the kernel's out-of-memory killer or a user, a crash in native code) gets a
+``failed`` evidence file written here, in the sweep's process, from its exit status, naming the signal; a
+cell past ``timeout_min`` is stopped (SIGTERM, SIGKILL 10 s later) and recorded the same way; the sweep
+goes on, and ``resume=true`` reruns only the cells that are not ok (checked here, before a process is
+started for them).
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import re
-import shlex
+import multiprocessing
+import signal
 import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from decodebench import exit_status
-
-# What the sweep's process has that submitit's local executor replaces in a job's: the GPUs it may use.
-KEEP_ENV = ("CUDA_VISIBLE_DEVICES",)
-# submitit's own log lines in a job's output (its format, or Hydra's once the job has set up logging)
-SUBMITIT_LINE = re.compile(r"^(submitit [A-Z]+ \(|\[[^]]*\]\[submitit\]\[)")
+PRELOAD = ["runner"]  # what the fork server imports once, for every cell it forks
+STOP_GRACE_S = 10.0  # after SIGTERM, a cell past its time has this long to end before SIGKILL
 
 
-class IsolatedLauncher(LocalLauncher):
-    """Each job in its own process (submitit's local executor), sequentially; see the module docstring."""
+class IsolatedLauncher(Launcher):
+    """Each cell in its own process, sequentially; see the module docstring."""
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """No requeue: a cell that runs past ``timeout_min`` is recorded ``failed`` (submitit requeues a job
-        whose callable returns a resubmission here, as the plugin's own launchers do)."""
-        return None
+    def __init__(self, timeout_min: float = 1440) -> None:
+        self.timeout_min = float(timeout_min)
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from decodebench.device import tpu_present
+
         assert self.config is not None
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        return [self._launch_one(list(overrides), initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
+        context = multiprocessing.get_context(start_method(tpu_present()))
+        if context.get_start_method() == "forkserver":
+            context.set_forkserver_preload(PRELOAD)
+        return [self._launch_one(context, list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)]
 
-    def _launch_one(self, overrides: list[str], idx: int) -> JobReturn:
-        import submitit  # here, not at the top: Hydra imports this module whenever it starts
-
+    def _launch_one(self, context: Any, overrides: list[str], idx: int) -> JobReturn:
         from decodebench.config import ConfigError
         from runner import evidence_path, resumed
 
@@ -66,54 +73,115 @@ class IsolatedLauncher(LocalLauncher):
         done = JobReturn(overrides=overrides, cfg=cfg, hydra_cfg=sweep_config, status=JobStatus.COMPLETED)
         if path is not None and resumed(cfg, path):
             return done
-        status = Path(str(self.config.hydra.sweep.dir)) / ".exit_status" / f"{idx}.json"
-        keep = json.dumps({name: os.environ.get(name) for name in KEEP_ENV})
-        python = (
-            f"{shlex.quote(sys.executable)} -m decodebench.exit_status {shlex.quote(str(status))} {shlex.quote(keep)}"
-        )
-        executor = submitit.AutoExecutor(folder=self.params["submitit_folder"], cluster="local", local_python=python)
-        executor.update_parameters(**executor_parameters(self.params))
         before = stamp(path)
-        job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state())
-        # submitit waits up to 15 s for a finished job's result file to show through a network filesystem's
-        # caches; a local job writes it on this machine before its process ends, so a cell killed from outside
-        # (no result at all) would only hold the sweep up for that long
-        job._results_timeout_s = 0
+        job = cloudpickle.dumps((self.hydra_context, self.task_function, self.config, overrides, idx,
+                                 Singleton.get_state()))  # fmt: skip
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=run_one, args=(job, writer), name=f"decodebench-cell-{idx}")
+        process.start()
+        writer.close()
         try:
-            return job.result()
-        except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as exc:
-            # killed from outside, or timed out (the job raised "not requeued" in its own process)
-            done.return_value = self._died(cfg, config, path, before, exit_status.read(status), str(exc))
-            return done
+            result, timed_out = wait_for(process, reader, self.timeout_min * 60)
         except KeyboardInterrupt:
-            job.cancel()
+            stop(process)
             raise
         finally:
-            echo(job.stdout(), sys.stdout)
-            echo(job.stderr(), sys.stderr)
+            reader.close()
+        if result is not None:
+            return result
+        how = describe(process.exitcode)
+        if timed_out:
+            how = f"the cell ran past hydra.launcher.timeout_min={self.timeout_min:g} and was stopped ({how})"
+        done.return_value = died(cfg, config, path, before, process.exitcode, how)
+        return done
 
-    @staticmethod
-    def _died(
-        cfg: DictConfig, config: dict[str, Any], path: Path | None, before: int | None, returncode: int | None, log: str
-    ) -> dict[str, Any] | None:
-        """The evidence of a cell whose process ended without a result: its own file if it wrote one
-        before it died, else a ``failed`` one written here from its exit status."""
-        from decodebench import evidence
-        from runner import new_record, write
 
-        how = exit_status.describe(returncode)
-        if "timed-out" in log:  # submitit's word for a job past timeout_min, which this launcher never requeues
-            how = f"the cell ran past hydra.launcher.timeout_min and was stopped ({how})"
-        if path is None:
-            print(f"[failed] nothing written: {how}", file=sys.stderr, flush=True)
-            return None
-        if stamp(path) != before:  # it wrote its evidence, then died: the file stands
-            print(f"[note] {path}: {how} after it wrote this file", file=sys.stderr, flush=True)
-            return evidence.read(path)
-        record = new_record(cfg, config, path)
-        record.reason = f"{how} before it wrote its evidence (isolated launcher, exit status {returncode})"
-        record.traceback = f"no Python traceback: the process did not end by itself. What submitit saw:\n{log}"
-        return write(record, path)
+def start_method(tpu: bool) -> str:
+    """``forkserver`` (each cell a fork of one interpreter that has imported ``PRELOAD`` and run nothing), or
+    ``spawn`` (each cell a fresh interpreter) on a TPU."""
+    return "spawn" if tpu else "forkserver"
+
+
+def run_one(job: bytes, result: Connection) -> None:
+    """In the cell's process: the cell as Hydra runs a job of a sweep (its own job folder, callbacks and
+    logging), its ``JobReturn`` sent back to the sweep's process."""
+    hydra_context, task_function, config, overrides, idx, singletons = cloudpickle.loads(job)
+    Singleton.set_state(singletons)
+    setup_globals()
+    sweep_config = hydra_context.config_loader.load_sweep_config(config, overrides)
+    with open_dict(sweep_config.hydra.job) as hydra_job:
+        hydra_job.id = f"{idx}_{multiprocessing.current_process().pid}"
+        hydra_job.num = idx
+    returned = run_job(
+        hydra_context=hydra_context,
+        task_function=task_function,
+        config=sweep_config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )
+    result.send_bytes(cloudpickle.dumps(returned))
+    result.close()
+
+
+def wait_for(process: Any, reader: Connection, timeout_s: float) -> tuple[JobReturn | None, bool]:
+    """The cell's ``JobReturn`` (None when its process ended without sending one) and whether it ran past
+    ``timeout_s`` (it is stopped then); returns once the process has ended."""
+    ready = wait([reader, process.sentinel], timeout=timeout_s)
+    result = None
+    if reader in ready:
+        try:
+            result = cloudpickle.loads(reader.recv_bytes())
+        except EOFError:  # ended before it sent anything
+            result = None
+    timed_out = not ready
+    if timed_out:
+        stop(process)
+    process.join()
+    return result, timed_out
+
+
+def stop(process: Any) -> None:
+    """SIGTERM, then SIGKILL when the process has not ended ``STOP_GRACE_S`` later."""
+    process.terminate()
+    process.join(STOP_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def describe(returncode: int | None) -> str:
+    """How a cell's process ended, in words (a negative return code: the signal that ended it)."""
+    if returncode is None:
+        return "the cell's process ended with no exit status recorded"
+    if returncode < 0:
+        sig = signal.Signals(-returncode)
+        cause = (
+            " (SIGKILL cannot be caught: the kernel's out-of-memory killer, see `dmesg`, or a user sent it)"
+            if sig == signal.SIGKILL
+            else ""
+        )
+        return f"the cell's process was killed by {sig.name} (signal {sig.value}){cause}"
+    return f"the cell's process exited with status {returncode}"
+
+
+def died(
+    cfg: DictConfig, config: dict[str, Any], path: Path | None, before: int | None, returncode: int | None, how: str
+) -> dict[str, Any] | None:
+    """The evidence of a cell whose process ended without a result: its own file if it wrote one before
+    it died, else a ``failed`` one written here from its exit status."""
+    from decodebench import evidence
+    from runner import new_record, write
+
+    if path is None:
+        print(f"[failed] nothing written: {how}", file=sys.stderr, flush=True)
+        return None
+    if stamp(path) != before:  # it wrote its evidence, then died: the file stands
+        print(f"[note] {path}: {how} after it wrote this file", file=sys.stderr, flush=True)
+        return evidence.read(path)
+    record = new_record(cfg, config, path)
+    record.reason = f"{how} before it wrote its evidence (isolated launcher, exit status {returncode})"
+    record.traceback = "no Python traceback: the process did not end by itself"
+    return write(record, path)
 
 
 def task_config(sweep_config: DictConfig) -> DictConfig:
@@ -124,22 +192,9 @@ def task_config(sweep_config: DictConfig) -> DictConfig:
     return cfg
 
 
-def executor_parameters(params: dict[str, Any]) -> dict[str, Any]:
-    """The launcher's settings as submitit's executor takes them (as the plugin's own ``launch`` maps them)."""
-    base = set(OmegaConf.structured(BaseQueueConf).keys())
-    return {k if k in base else f"local_{k}": v for k, v in params.items() if k != "submitit_folder"}
-
-
 def stamp(path: Path | None) -> int | None:
     """When ``path`` was last written (ns), or None when it does not exist."""
     try:
         return None if path is None else path.stat().st_mtime_ns
     except OSError:
         return None
-
-
-def echo(text: str | None, stream: Any) -> None:
-    """A job's output in the sweep's own, without submitit's log lines."""
-    lines = [line for line in (text or "").splitlines() if not SUBMITIT_LINE.match(line)]
-    if lines:
-        print("\n".join(lines), file=stream, flush=True)
