@@ -103,7 +103,7 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     proc = sweep(
         cache_dir,
         tmp_path / "runs",
-        "hydra.launcher.timeout_min=0.1",  # 6 s: the stalled cell waits 120 s to be killed
+        "hydra.launcher.timeout_min=0.05",  # 3 s from the cell's start: the stalled cell waits 120 s to be killed
         f"{hook}._target_=tests.sweep_hooks.WaitToBeKilled",
         f"{hook}.engine=static",
         f"{hook}.pid_file={tmp_path / 'static.pid'}",
@@ -114,8 +114,9 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     assert cells["generate"]["status"] == "ok", "the sweep went on"
     stalled = cells["static"]
     assert stalled["status"] == "failed"
-    assert "ran past hydra.launcher.timeout_min=0.1 and was stopped" in stalled["reason"]
+    assert "ran past hydra.launcher.timeout_min=0.05 and was stopped" in stalled["reason"]
     assert "killed by SIGTERM (signal 15)" in stalled["reason"] and "exit status -15" in stalled["reason"]
+    assert (tmp_path / "static.pid").exists(), "its time starts when it runs, not with the fork server's imports"
 
 
 def test_each_cell_is_a_fork_of_a_clean_interpreter_and_a_fresh_one_on_a_tpu():

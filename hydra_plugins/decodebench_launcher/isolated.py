@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 PRELOAD = ["runner"]  # what the fork server imports once, for every cell it forks
+STARTED = b"started"  # a cell's first message: its process runs (its time starts)
 STOP_GRACE_S = 10.0  # after SIGTERM, a cell past its time has this long to end before SIGKILL
 
 
@@ -104,13 +106,14 @@ def start_method(tpu: bool) -> str:
 
 def run_one(job: bytes, result: Connection) -> None:
     """In the cell's process: the cell as Hydra runs a job of a sweep (its own job folder, callbacks and
-    logging), its ``JobReturn`` sent back to the sweep's process."""
+    logging), its ``JobReturn`` sent back to the sweep's process (after a first message: it runs)."""
+    result.send_bytes(STARTED)
     hydra_context, task_function, config, overrides, idx, singletons = cloudpickle.loads(job)
     Singleton.set_state(singletons)
     setup_globals()
     sweep_config = hydra_context.config_loader.load_sweep_config(config, overrides)
     with open_dict(sweep_config.hydra.job) as hydra_job:
-        hydra_job.id = f"{idx}_{multiprocessing.current_process().pid}"
+        hydra_job.id = f"{idx}_{os.getpid()}"
         hydra_job.num = idx
     returned = run_job(
         hydra_context=hydra_context,
@@ -125,19 +128,27 @@ def run_one(job: bytes, result: Connection) -> None:
 
 def wait_for(process: Any, reader: Connection, timeout_s: float) -> tuple[JobReturn | None, bool]:
     """The cell's ``JobReturn`` (None when its process ended without sending one) and whether it ran past
-    ``timeout_s`` (it is stopped then); returns once the process has ended."""
-    ready = wait([reader, process.sentinel], timeout=timeout_s)
-    result = None
-    if reader in ready:
-        try:
-            result = cloudpickle.loads(reader.recv_bytes())
-        except EOFError:  # ended before it sent anything
-            result = None
-    timed_out = not ready
+    ``timeout_s`` (it is stopped then), counted from the moment its process runs (the fork server's start,
+    before the first cell, is not the cell's time); returns once the process has ended."""
+    started, _ = receive(process, reader, None)
+    result, timed_out = (None, False) if started is None else receive(process, reader, timeout_s)
     if timed_out:
         stop(process)
     process.join()
-    return result, timed_out
+    return (None if result is None else cloudpickle.loads(result)), timed_out
+
+
+def receive(process: Any, reader: Connection, timeout_s: float | None) -> tuple[bytes | None, bool]:
+    """The cell's next message, or None when its process ended first; and whether ``timeout_s`` passed first."""
+    ready = wait([reader, process.sentinel], timeout=timeout_s)
+    if not ready:
+        return None, True
+    if reader in ready:  # a process that ended after it sent leaves its message readable
+        try:
+            return reader.recv_bytes(), False
+        except EOFError:
+            pass
+    return None, False
 
 
 def stop(process: Any) -> None:
