@@ -710,8 +710,8 @@ def test_the_published_files_read_with_libyaml_as_with_pyyamls_own_parser(monkey
 
 
 def test_cells_of_other_code_are_never_pooled_nor_divided_by_each_other(tmp_path):
-    """The same settings run by two commits (one of them with an uncommitted change) are two rows, each with
-    its own x generate; a ratio never divides one commit's rate by another's."""
+    """The same settings run by two commits are two rows, each with its own x generate; a ratio never divides
+    one commit's rate by another's; an uncommitted change is a code of its own."""
     before, after = "a" * 40, "b" * 40
     write(
         tmp_path,

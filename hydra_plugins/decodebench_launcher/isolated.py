@@ -76,8 +76,7 @@ class IsolatedLauncher(Launcher):
         if path is not None and resumed(cfg, path):
             return done
         before = stamp(path)
-        job = cloudpickle.dumps((self.hydra_context, self.task_function, self.config, overrides, idx,
-                                 Singleton.get_state()))  # fmt: skip
+        job = cloudpickle.dumps((self.hydra_context, self.task_function, sweep_config, idx, Singleton.get_state()))
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(target=run_one, args=(job, writer), name=f"decodebench-cell-{idx}")
         process.start()
@@ -91,6 +90,7 @@ class IsolatedLauncher(Launcher):
             reader.close()
         if result is not None:
             return result
+        assert process.exitcode is not None  # wait_for returns once the process has ended
         how = describe(process.exitcode)
         if timed_out:
             how = f"the cell ran past hydra.launcher.timeout_min={self.timeout_min:g} and was stopped ({how})"
@@ -108,10 +108,9 @@ def run_one(job: bytes, result: Connection) -> None:
     """In the cell's process: the cell as Hydra runs a job of a sweep (its own job folder, callbacks and
     logging), its ``JobReturn`` sent back to the sweep's process (after a first message: it runs)."""
     result.send_bytes(STARTED)
-    hydra_context, task_function, config, overrides, idx, singletons = cloudpickle.loads(job)
+    hydra_context, task_function, sweep_config, idx, singletons = cloudpickle.loads(job)
     Singleton.set_state(singletons)
     setup_globals()
-    sweep_config = hydra_context.config_loader.load_sweep_config(config, overrides)
     with open_dict(sweep_config.hydra.job) as hydra_job:
         hydra_job.id = f"{idx}_{os.getpid()}"
         hydra_job.num = idx
@@ -160,10 +159,8 @@ def stop(process: Any) -> None:
         process.join()
 
 
-def describe(returncode: int | None) -> str:
+def describe(returncode: int) -> str:
     """How a cell's process ended, in words (a negative return code: the signal that ended it)."""
-    if returncode is None:
-        return "the cell's process ended with no exit status recorded"
     if returncode < 0:
         sig = signal.Signals(-returncode)
         cause = (
@@ -176,7 +173,7 @@ def describe(returncode: int | None) -> str:
 
 
 def died(
-    cfg: DictConfig, config: dict[str, Any], path: Path | None, before: int | None, returncode: int | None, how: str
+    cfg: DictConfig, config: dict[str, Any], path: Path | None, before: int | None, returncode: int, how: str
 ) -> dict[str, Any] | None:
     """The evidence of a cell whose process ended without a result: its own file if it wrote one before
     it died, else a ``failed`` one written here from its exit status."""
@@ -191,7 +188,11 @@ def died(
         return evidence.read(path)
     record = new_record(cfg, config, path)
     record.reason = f"{how} before it wrote its evidence (isolated launcher, exit status {returncode})"
-    record.traceback = "no Python traceback: the process did not end by itself"
+    record.traceback = (
+        "no Python traceback: the process did not end by itself"
+        if returncode < 0
+        else "the process raised before its cell ran: its traceback is in the sweep's output (stderr)"
+    )
     return write(record, path)
 
 
