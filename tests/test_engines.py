@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from decodebench.device import Device, resolve_device
-from decodebench.layout import bucket_for
+from decodebench.layout import bucket_for, kv_sources
+from decodebench.synthetic import shape_of, text_config
+from decodebench.synthetic_tokenizer import TURN_END
 from engines.int4 import Int4Embedding
 from engines.ring import RingEngine, grouped_attention
 from runner import run_cell, typed_config
@@ -128,6 +130,21 @@ def test_ring_reading_only_what_it_needs_writes_the_same_tokens(cell_cfg, tiny, 
 )
 def test_bucket_for_rounds_up_to_piece_times_a_power_of_two(needed, bucket):
     assert bucket_for(needed, piece=32, full=1056) == bucket
+
+
+def test_a_kv_shared_layer_reads_the_last_owner_of_its_kind_as_transformers_marks_it():
+    """On E2B's shape (several sliding owners, which tiny's four layers lack): each shared layer's K/V source is
+    the layer Transformers' Gemma 4 config marks to store it, the last owner of that kind, not the first."""
+    special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 3}
+    config = text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
+    modes, kinds = config.kv_sharing_modes, config.layer_types
+    sources = kv_sources(config)
+    shared = [i for i, mode in enumerate(modes) if mode == "reuse"]
+    assert len(shared) == 20
+    for i in shared:
+        assert modes[sources[i]] == "store" and kinds[sources[i]] == kinds[i], i
+    first_sliding = kinds.index("sliding_attention")
+    assert sources[shared[0]] != first_sliding and sources[shared[0]] != shared[0]
 
 
 def test_grouped_attention_equals_sdpa_with_gqa():
