@@ -61,6 +61,16 @@ class FrameworkState:
             torch._dynamo.reset()
 
 
+def freeze_what_came_before() -> None:
+    """Once a process, before its first engine: what lives then (modules, configs) is moved out of the
+    collector's sight (``gc.freeze``), so each ``close``'s collection walks only what engines and cells made
+    since, not every object the imports made (half a million, a quarter of a second a collection here; in a
+    long-lived process that has run many cells, seconds). Garbage is collected first: nothing is kept."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
+
+
 @dataclass
 class OpenEngine:
     """An engine class bound to one run: its context, checkpoint and tokenizer; the engine once loaded."""
@@ -107,6 +117,7 @@ class OpenEngine:
     def load(self) -> Engine:
         """The engine, built (read onto the device) on the first call; the one place an engine is constructed."""
         if self.engine is None:
+            freeze_what_came_before()
             self.state = FrameworkState(self.cls, self.ctx.engine_cfg)
             self.state.open()
             self.engine = self.cls(self.ctx, self.checkpoint, self.tokenizer)
