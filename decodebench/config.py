@@ -99,9 +99,7 @@ class ModelConfig:
 
     Shape fields describe the synthetic model (they are the Gemma 4 text-config fields of the same
     name); for a hub or local checkpoint the checkpoint's own ``config.json`` decides the shape.
-    ``full_attention_every=k`` makes every k-th layer (k-1, 2k-1, ...) full attention. The defaults are
-    ``model=tiny``: four layers (sliding, full, then one KV-shared layer of each kind), the fewest that
-    keep every E2B feature; each layer traced costs TorchDynamo time in every compiled engine.
+    ``full_attention_every=k`` makes every k-th layer (k-1, 2k-1, ...) full attention.
     """
 
     name: str = MISSING
@@ -115,12 +113,12 @@ class ModelConfig:
     vocab_size: int = 4096
     hidden_size: int = 128
     intermediate_size: int = 256
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 6
     num_attention_heads: int = 4
     num_key_value_heads: int = 1
     head_dim: int = 32
     global_head_dim: int = 64
-    full_attention_every: int = 2
+    full_attention_every: int = 3
     sliding_window: int = 128
     num_kv_shared_layers: int = 2
     use_double_wide_mlp: bool = True

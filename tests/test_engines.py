@@ -133,7 +133,7 @@ def test_bucket_for_rounds_up_to_piece_times_a_power_of_two(needed, bucket):
 
 
 def test_a_kv_shared_layer_reads_the_last_owner_of_its_kind_as_transformers_marks_it():
-    """On E2B's shape (several sliding owners, which tiny's four layers lack): each shared layer's K/V source is
+    """On E2B's shape (several sliding owners): each shared layer's K/V source is
     the layer Transformers' Gemma 4 config marks to store it, the last owner of that kind, not the first."""
     special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 3}
     config = text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
