@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 
 class WaitToBeKilled(Callback):
-    """In the cell of engine ``engine``: writes the cell's process id and its CUDA_VISIBLE_DEVICES to
+    """In the cell of engine ``engine``: writes the cell's process id, its parent's and its CUDA_VISIBLE_DEVICES to
     ``pid_file`` (JSON) and waits for a test to kill it; after ``seconds`` the cell runs normally (so a
     test that never kills it fails)."""
 
@@ -25,6 +25,8 @@ class WaitToBeKilled(Callback):
         if config.engine.name != self.engine:
             return
         tmp = self.pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = {"pid": os.getpid(), "ppid": os.getppid(), "cuda_visible_devices": devices}
+        tmp.write_text(json.dumps(seen))
         tmp.rename(self.pid_file)
         time.sleep(self.seconds)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from decodebench.config import ConfigError
-from hydra_plugins.decodebench_launcher.isolated import start_method
+from hydra_plugins.decodebench_launcher.isolated import IsolatedLauncher, cell_context
 from runner import validate_sweep_engines
 from tests.conftest import REPO
 
@@ -57,6 +57,7 @@ def test_a_killed_cell_is_failed_evidence_and_resume_reruns_only_it(cache_dir, t
     seen = json.loads(pid_file.read_text())
     pid = seen["pid"]
     assert pid not in (proc.pid, os.getpid())  # the cell runs in a process of its own
+    assert seen["ppid"] != proc.pid, "off a TPU a cell is forked by the fork server, not started by the sweep"
     assert seen["cuda_visible_devices"] == "7"
     os.kill(pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
@@ -120,4 +121,11 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
 
 
 def test_each_cell_is_a_fork_of_a_clean_interpreter_and_a_fresh_one_on_a_tpu():
-    assert start_method(tpu=False) == "forkserver" and start_method(tpu=True) == "spawn"
+    assert cell_context(tpu=True).get_start_method() == "spawn"
+    assert cell_context(tpu=False).get_start_method() == "forkserver"
+
+
+@pytest.mark.parametrize("minutes", [0, -1])
+def test_a_timeout_that_would_stop_every_cell_is_refused_by_name(minutes):
+    with pytest.raises(ValueError, match=f"hydra.launcher.timeout_min={minutes} must be a positive"):
+        IsolatedLauncher(timeout_min=minutes)

@@ -23,6 +23,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ class IsolatedLauncher(Launcher):
     """Each cell in its own process, sequentially; see the module docstring."""
 
     def __init__(self, timeout_min: float = 1440) -> None:
+        if not float(timeout_min) > 0:
+            raise ValueError(f"hydra.launcher.timeout_min={timeout_min} must be a positive number of minutes: "
+                             "a cell past it is stopped, so at most 0 would stop every cell at once")  # fmt: skip
         self.timeout_min = float(timeout_min)
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
@@ -55,12 +59,10 @@ class IsolatedLauncher(Launcher):
 
         assert self.config is not None
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        context = multiprocessing.get_context(start_method(tpu_present()))
-        if context.get_start_method() == "forkserver":
-            context.set_forkserver_preload(PRELOAD)
+        context = cell_context(tpu_present())
         return [self._launch_one(context, list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)]
 
-    def _launch_one(self, context: Any, overrides: list[str], idx: int) -> JobReturn:
+    def _launch_one(self, context: BaseContext, overrides: list[str], idx: int) -> JobReturn:
         from decodebench.config import ConfigError
         from runner import evidence_path, resumed
 
@@ -98,10 +100,13 @@ class IsolatedLauncher(Launcher):
         return done
 
 
-def start_method(tpu: bool) -> str:
-    """``forkserver`` (each cell a fork of one interpreter that has imported ``PRELOAD`` and run nothing), or
-    ``spawn`` (each cell a fresh interpreter) on a TPU."""
-    return "spawn" if tpu else "forkserver"
+def cell_context(tpu: bool) -> BaseContext:
+    """Where the cells' processes come from: the ``forkserver`` context, each cell a fork of one interpreter
+    that has imported ``PRELOAD`` and run nothing; on a TPU the ``spawn`` one, each cell a fresh interpreter."""
+    context = multiprocessing.get_context("spawn" if tpu else "forkserver")
+    if not tpu:
+        context.set_forkserver_preload(PRELOAD)
+    return context
 
 
 def run_one(job: bytes, result: Connection) -> None:
