@@ -124,6 +124,11 @@ def git_state() -> dict[str, Any]:
     return {"git_sha": _git("rev-parse", "HEAD"), "git_dirty": dirty, "git_diff_sha256_16": digest}
 
 
+CODE = git_state()
+"""The code this process runs, read once, when it imports decodebench: a cell forked later from this process (the
+isolated launcher's fork server) runs the modules imported then, whatever the working tree holds by the time."""
+
+
 def stack() -> dict[str, Any]:
     """The software stack this interpreter was set up from: the lock's name and hash (``make setup`` writes
     them beside the venv), or nulls for an interpreter set up otherwise."""
@@ -162,7 +167,7 @@ def capture(device: Device | None) -> dict[str, Any]:
         "threads": threads(),
         "speed_variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SPEED_VARIABLES)},
         "process": {"pid": os.getpid(), "accelerator_owners": dict(ACCELERATOR_OWNERS)},
-        **git_state(),
+        **CODE,
         "utc_time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     env["fingerprint"] = fingerprint(env)

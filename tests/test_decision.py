@@ -100,6 +100,15 @@ def test_evidence_says_enough_to_rerun_the_cell(cell_cfg, tiny, monkeypatch):
     monkeypatch.setattr(environment, "cpu_flags", lambda: ["avx2"])
     assert environment.capture(cpu)["fingerprint"] != env["fingerprint"], "another CPU class, another fingerprint"
     assert record["config"]["replica"] == 1
+
+
+def test_a_cells_code_is_what_its_process_imported_not_what_the_tree_holds_later(monkeypatch):
+    at_import = environment.CODE
+    assert at_import["git_sha"] and len(at_import["git_sha"]) == 40
+    # the tree changes after the process imported the project (a commit, an edit): its cells still ran that code
+    monkeypatch.setattr(environment, "_git", lambda *args: pytest.fail(f"git {' '.join(args)} read at cell time"))
+    env = environment.capture(resolve_device("cpu"))
+    assert {k: env[k] for k in at_import} == at_import
     if env["stack"]["name"]:  # set up by `make setup`: the lock it installed from, by its bytes
         lock = (REPO / env["stack"]["lock"]).read_bytes()
         assert env["stack"]["lock_sha256_16"] == hashlib.sha256(lock).hexdigest()[:16]
