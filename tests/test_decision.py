@@ -100,6 +100,9 @@ def test_evidence_says_enough_to_rerun_the_cell(cell_cfg, tiny, monkeypatch):
     monkeypatch.setattr(environment, "cpu_flags", lambda: ["avx2"])
     assert environment.capture(cpu)["fingerprint"] != env["fingerprint"], "another CPU class, another fingerprint"
     assert record["config"]["replica"] == 1
+    if env["stack"]["name"]:  # set up by `make setup`: the lock it installed from, by its bytes
+        lock = (REPO / env["stack"]["lock"]).read_bytes()
+        assert env["stack"]["lock_sha256_16"] == hashlib.sha256(lock).hexdigest()[:16]
 
 
 def test_a_cells_code_is_what_its_process_imported_not_what_the_tree_holds_later(monkeypatch):
@@ -109,9 +112,6 @@ def test_a_cells_code_is_what_its_process_imported_not_what_the_tree_holds_later
     monkeypatch.setattr(environment, "_git", lambda *args: pytest.fail(f"git {' '.join(args)} read at cell time"))
     env = environment.capture(resolve_device("cpu"))
     assert {k: env[k] for k in at_import} == at_import
-    if env["stack"]["name"]:  # set up by `make setup`: the lock it installed from, by its bytes
-        lock = (REPO / env["stack"]["lock"]).read_bytes()
-        assert env["stack"]["lock_sha256_16"] == hashlib.sha256(lock).hexdigest()[:16]
 
 
 def test_an_aa_copy_is_a_cell_of_its_own(cell_cfg, tiny):
