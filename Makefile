@@ -120,8 +120,8 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
-# One E2B-shaped linear, dense bf16 against int4, on this machine's device (pytest-benchmark); its JSON
-# goes under evidence/bench/, where `make report` reads it.
+# Every E2B linear shape, dense bf16 against int4, on this machine's device (pytest-benchmark), with the bytes
+# each call reads; its JSON goes under evidence/bench/, where `make report` reads it (median ms and GB/s).
 bench-int4: setup
 	@mkdir -p evidence/bench
 	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20

@@ -1,8 +1,10 @@
-"""``make bench-int4``: one E2B-shaped linear at batch 1, dense bf16 against int4, timed by pytest-benchmark.
+"""``make bench-int4``: every E2B linear shape at batch 1, dense bf16 against int4, timed by pytest-benchmark.
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
-also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance).
+also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance), and records
+the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors), so the report can
+give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``).
 """
 
 from __future__ import annotations
@@ -10,12 +12,28 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench.device import resolve_device
+from decodebench.synthetic import shape_of, text_config
+from decodebench.synthetic_tokenizer import TURN_END
 from engines import int4
+from tests.conftest import make_cfg
 from tests.test_int4 import packed_weight
 
-SHAPES = [(1536, 12288), (12288, 1536)]  # E2B's MLP down and up projections as [out, in]
+
+def e2b_linear_shapes() -> list[tuple[int, int]]:
+    """Every distinct [out, in] of E2B's linears (sliding and full attention, single and double-wide MLPs,
+    per-layer projections, lm_head), read off Transformers' model built on the meta device from E2B's text config."""
+    special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106}
+    config = text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
+
+
+SHAPES = e2b_linear_shapes()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +57,9 @@ def test_linear(benchmark, device, shape, weights):
         device.sync()
         return y
 
-    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else "F.linear")
+    held = sum(t.nbytes for t in layer.buffers()) if layer is not None else w.nbytes
+    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else "F.linear",
+                                bytes=held)  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from decodebench import evidence
 from decodebench.checkpoint import layers_of_config, shape_of_config
@@ -371,15 +372,21 @@ def test_an_int4_cell_is_credited_with_int4_bytes_only():
 
 
 def test_bench_table_reads_pytest_benchmark_json(tmp_path):
-    def bench(weights: str, median: float) -> dict:
+    def bench(weights: str, median: float, **held: int) -> dict:
         params = {"shape": [1536, 12288], "weights": weights}
-        return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": {"device": "cpu"}}
+        return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": {"device": "cpu", **held}}
 
-    data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": [bench("dense", 2e-3), bench("int4", 1e-3)]}
+    dense_bytes = 1536 * 12288 * 2  # what the dense call reads: 37.7 MB
+    benchmarks = [bench("dense", 2e-3, bytes=dense_bytes), bench("int4", 1e-3)]  # an older file: no bytes for int4
+    data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": benchmarks}
     (tmp_path / "int4-linear.json").write_text(json.dumps(data))
     table = bench_table(tmp_path)
     assert list(table.linear) == ["1536x12288"] * 2
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
+    assert table.gb_s.iloc[0] == pytest.approx(18.874368) and pd.isna(table.gb_s.iloc[1])  # 37.7 MB in 2 ms
+    env = Environment(loader=FileSystemLoader(render.TABLES), undefined=StrictUndefined, trim_blocks=True)
+    text = env.get_template("bench.md.j2").render(bench=table)
+    assert "| 2.000 | 18.9 | 10 |" in text and "| 1.000 | – | 10 |" in text
 
 
 # ---------------------------------------------------------------- synthetic evidence ---------------------------------

@@ -14,9 +14,10 @@ NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them 
 
 def bench_table(folder: Path) -> pd.DataFrame:
     """pytest-benchmark's JSON files (``make bench-int4``): one row per benchmark, median seconds and
-    the dense/int4 ratio per shape on the same machine. Where the JSON keeps every round (``stats.data``,
-    seconds) the median has its 95% interval and n (``median_ms``, milliseconds) and the ratio its interval
-    from both benchmarks' rounds (``x_dense_shown``)."""
+    the dense/int4 ratio per shape on the same machine, and where the file records the bytes a call reads
+    (``extra_info["bytes"]``) the GB/s the kernel reaches alone (bytes over the median, 1e9 bytes a GB).
+    Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
+    (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``)."""
     rows = []
     for path in sorted(Path(folder).glob("*.json")):
         data = json.loads(path.read_text())
@@ -38,10 +39,12 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     if rounds
                     else f"{1000 * bench['stats']['median']:.3f}",
                     "rounds": bench["stats"]["rounds"],
+                    "gb_s": bench.get("extra_info", {}).get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
                     "data": rounds,
                 }
             )
-    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "median_ms", "rounds", "data"]
+    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "median_ms", "rounds", "gb_s",
+               "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
