@@ -121,10 +121,12 @@ test: setup
 	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
 # Every E2B linear shape, dense bf16 against int4, on this machine's device (pytest-benchmark), with the bytes
-# each call reads; its JSON goes under evidence/bench/, where `make report` reads it (median ms and GB/s).
+# each call reads; its JSON goes under evidence/bench/, where `make report` reads it (median ms and GB/s). It runs on
+# every core, as a cell does: the tests' conftest pins one thread per process unless OMP_NUM_THREADS is set.
+BENCH_THREADS ?= $(shell nproc)
 bench-int4: setup
 	@mkdir -p evidence/bench
-	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
+	OMP_NUM_THREADS=$(BENCH_THREADS) $(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
 
 # The OpenAI-compatible server over one engine (serve.py, serving/); chat page at http://127.0.0.1:8000/
 SERVE_ARGS ?= engine=ring model=tiny

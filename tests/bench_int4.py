@@ -59,7 +59,7 @@ def test_linear(benchmark, device, shape, weights):
 
     held = sum(t.nbytes for t in layer.buffers()) if layer is not None else w.nbytes
     benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else "F.linear",
-                                bytes=held)  # fmt: skip
+                                bytes=held, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -386,7 +386,7 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert table.gb_s.iloc[0] == pytest.approx(18.874368) and pd.isna(table.gb_s.iloc[1])  # 37.7 MB in 2 ms
     env = Environment(loader=FileSystemLoader(render.TABLES), undefined=StrictUndefined, trim_blocks=True)
     text = env.get_template("bench.md.j2").render(bench=table)
-    assert "| 2.000 | 18.9 | 10 |" in text and "| 1.000 | – | 10 |" in text
+    assert "| – | 2.000 | 18.9 | 10 |" in text and "| – | 1.000 | – | 10 |" in text  # threads not recorded
 
 
 # ---------------------------------------------------------------- synthetic evidence ---------------------------------

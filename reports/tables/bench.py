@@ -34,6 +34,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "linear": shape,
                     "weights": params.get("weights", ""),
                     "kernel": bench.get("extra_info", {}).get("kernel", ""),
+                    "threads": bench.get("extra_info", {}).get("threads", "–"),
                     "median_s": bench["stats"]["median"],
                     "median_ms": shown(sampled([1000 * s for s in rounds]), 3)
                     if rounds
@@ -43,8 +44,8 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "data": rounds,
                 }
             )
-    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "median_s", "median_ms", "rounds", "gb_s",
-               "data"]  # fmt: skip
+    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "threads", "median_s", "median_ms", "rounds",
+               "gb_s", "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
