@@ -122,8 +122,9 @@ test: setup
 
 # Every E2B linear shape, dense bf16 against int4, on this machine's device (pytest-benchmark), with the bytes
 # each call reads; its JSON goes under evidence/bench/, where `make report` reads it (median ms and GB/s). It runs on
-# every core, as a cell does: the tests' conftest pins one thread per process unless OMP_NUM_THREADS is set.
-BENCH_THREADS ?= $(shell nproc)
+# one thread per physical core, torch's default in a cell: the tests' conftest pins one thread per process unless
+# OMP_NUM_THREADS is set.
+BENCH_THREADS ?= $(shell lscpu -p=Core,Socket | grep -v '^\#' | sort -u | wc -l)
 bench-int4: setup
 	@mkdir -p evidence/bench
 	OMP_NUM_THREADS=$(BENCH_THREADS) $(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20

@@ -87,6 +87,19 @@ def chat_screenshot(serving: Any, evidence_dir: Path, out: Path) -> dict[str, st
     return {"name": CHAT_PNG, "source": shots.iloc[-1].screenshot}
 
 
+def environment() -> Environment:
+    """The report's Jinja2 environment: its frame's and every table's templates, strict, with its filters."""
+    env = Environment(
+        loader=FileSystemLoader([TEMPLATES, TABLES]),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span, ci=uncertainty.shown)
+    return env
+
+
 def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out: Path) -> Outputs:
     """Renders both files (and the plots beside the report). With no evidence at all, only
     ``arithmetic.txt`` is written (the articles' figures recomputed, nothing measured) and the report is None."""
@@ -114,14 +127,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         plots.profile_bars(profile, report.parent / "profile.png"),
         plots.load_curves(load, report.parent / "load.png"),
     ]
-    env = Environment(
-        loader=FileSystemLoader([TEMPLATES, TABLES]),
-        undefined=StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span, ci=uncertainty.shown)
+    env = environment()
     cells = ev.cells
     recall = recall_table(ev.records)
     too_long = recall.reason.fillna("").str.contains("does not fit context")

@@ -16,20 +16,16 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench.device import resolve_device
-from decodebench.synthetic import shape_of, text_config
-from decodebench.synthetic_tokenizer import TURN_END
 from engines import int4
-from tests.conftest import make_cfg
+from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
 
 
 def e2b_linear_shapes() -> list[tuple[int, int]]:
     """Every distinct [out, in] of E2B's linears (sliding and full attention, single and double-wide MLPs,
     per-layer projections, lm_head), read off Transformers' model built on the meta device from E2B's text config."""
-    special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106}
-    config = text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
     with torch.device("meta"):
-        model = Gemma4ForCausalLM(config)
+        model = Gemma4ForCausalLM(e2b_text_config())
     return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
 
 

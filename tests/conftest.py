@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 # One intra-op thread per test process (and each process a test starts): pytest-xdist already puts a worker
 # on every core, so a second thread each only contends. Tests check methods, not speed.
@@ -16,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from decodebench.device import resolve_device
-from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic
+from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic, shape_of, text_config
+from decodebench.synthetic_tokenizer import TURN_END
 from engines import engine_class
 from engines.open import OpenEngine, open_engine
 from runner import register_configs, typed_config
@@ -28,6 +30,12 @@ register_configs()
 def make_cfg(*overrides: str) -> DictConfig:
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def e2b_text_config() -> Any:
+    """Transformers' Gemma 4 text config of E2B's shape (``model=e2b-synthetic``), for tests of its layout."""
+    special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106}
+    return text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
 
 
 def opened(*overrides: str) -> OpenEngine:

@@ -11,12 +11,10 @@ import torch
 
 from decodebench.device import Device, resolve_device
 from decodebench.layout import bucket_for, kv_sources
-from decodebench.synthetic import shape_of, text_config
-from decodebench.synthetic_tokenizer import TURN_END
 from engines.int4 import Int4Embedding
 from engines.ring import RingEngine, grouped_attention
 from runner import run_cell, typed_config
-from tests.conftest import make_cfg, opened
+from tests.conftest import e2b_text_config, make_cfg, opened
 
 COMPILED = ("engine.backend=eager",)
 
@@ -135,8 +133,7 @@ def test_bucket_for_rounds_up_to_piece_times_a_power_of_two(needed, bucket):
 def test_a_kv_shared_layer_reads_the_last_owner_of_its_kind_as_transformers_marks_it():
     """On E2B's shape (several sliding owners): each shared layer's K/V source is
     the layer Transformers' Gemma 4 config marks to store it, the last owner of that kind, not the first."""
-    special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 3}
-    config = text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
+    config = e2b_text_config()
     modes, kinds = config.kv_sharing_modes, config.layer_types
     sources = kv_sources(config)
     shared = [i for i, mode in enumerate(modes) if mode == "reuse"]

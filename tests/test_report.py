@@ -10,20 +10,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from decodebench import evidence
 from decodebench.checkpoint import layers_of_config, shape_of_config
 from decodebench.stats import median_interval
-from decodebench.synthetic import shape_of, text_config
-from decodebench.synthetic_tokenizer import TURN_END
 from reports import arithmetic, noise, published, render, verdicts
 from reports.tables import cells
 from reports.tables.bench import bench_table
 from reports.tables.decode import decode_table
 from reports.tables.recall import recall_table
 from runner import run_cell
-from tests.conftest import REPO, make_cfg
+from tests.conftest import REPO, e2b_text_config
 
 PUBLISHED = REPO / "evidence" / "published"
 
@@ -260,8 +257,7 @@ def test_a_ratio_whose_interval_contains_one_is_no_measurable_difference():
 
 def e2b_model_block() -> dict:
     """The model block an E2B-shaped evidence file records: its shape and per-layer layout."""
-    model = make_cfg("model=e2b-synthetic").model
-    config = text_config(shape_of(model), {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106})
+    config = e2b_text_config()
     return {"shape": shape_of_config(config), "layers": layers_of_config(config)}
 
 
@@ -384,8 +380,7 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert list(table.linear) == ["1536x12288"] * 2
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
     assert table.gb_s.iloc[0] == pytest.approx(18.874368) and pd.isna(table.gb_s.iloc[1])  # 37.7 MB in 2 ms
-    env = Environment(loader=FileSystemLoader(render.TABLES), undefined=StrictUndefined, trim_blocks=True)
-    text = env.get_template("bench.md.j2").render(bench=table)
+    text = render.environment().get_template("bench.md.j2").render(bench=table)  # as the report renders it
     assert "| – | 2.000 | 18.9 | 10 |" in text and "| – | 1.000 | – | 10 |" in text  # threads not recorded
 
 

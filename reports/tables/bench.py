@@ -26,21 +26,22 @@ def bench_table(folder: Path) -> pd.DataFrame:
             params = bench.get("params") or {}
             shape = "x".join(map(str, params.get("shape", ())))
             rounds = bench["stats"].get("data")
+            info = bench.get("extra_info", {})
             rows.append(
                 {
                     "file": path.name,
                     "cpu": cpu,
-                    "device": bench.get("extra_info", {}).get("device", ""),
+                    "device": info.get("device", ""),
                     "linear": shape,
                     "weights": params.get("weights", ""),
-                    "kernel": bench.get("extra_info", {}).get("kernel", ""),
-                    "threads": bench.get("extra_info", {}).get("threads", "–"),
+                    "kernel": info.get("kernel", ""),
+                    "threads": info.get("threads", "–"),
                     "median_s": bench["stats"]["median"],
                     "median_ms": shown(sampled([1000 * s for s in rounds]), 3)
                     if rounds
                     else f"{1000 * bench['stats']['median']:.3f}",
                     "rounds": bench["stats"]["rounds"],
-                    "gb_s": bench.get("extra_info", {}).get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
+                    "gb_s": info.get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
                     "data": rounds,
                 }
             )
