@@ -49,9 +49,13 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
     table = profile_table({record["cell"]: record})  # the report's table: the classes add up to the step
     assert list(table["class"]) == list(CLASSES) and table.ms_per_token.sum() == pytest.approx(step)
     bandwidth = record["hardware"]["bandwidth_measurement"]["value"]
-    mlp, measured = table.set_index("class").loc["weights: MLP"], classes["weights: MLP"]
-    # the floor another way: the class's time scaled by the GB/s it reached over the machine's
-    assert mlp.floor_ms == pytest.approx(measured["ms_per_token"] * measured["gb_s"] / bandwidth)
+    # the floor another way: the class's time scaled by the GB/s it reached over the machine's, for every class with a
+    # GB/s (a class whose N-token time came out at or under its 1-token time on a busy machine has none)
+    rows = table.set_index("class")
+    reached = [c for c, measured in classes.items() if measured["gb_s"] is not None]
+    assert set(reached) & set(WEIGHT_KINDS), reached
+    for c in reached:
+        assert rows.loc[c].floor_ms == pytest.approx(classes[c]["ms_per_token"] * classes[c]["gb_s"] / bandwidth), c
     out = render.build(tmp_path / "runs", REPO / "evidence" / "published", tmp_path / "r" / "R.md", tmp_path / "a.txt")
     text = out.report.read_text()
     assert "## Where each millisecond of a decode step goes" in text and "| weights: MLP |" in text
