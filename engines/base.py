@@ -163,6 +163,11 @@ class Engine(ABC):
         """Bytes of the KV cache computed from its buffers' shapes, when the engine owns one."""
         return None
 
+    def compiled_programs(self) -> int | None:
+        """Programs this engine has compiled since it was opened (TorchDynamo's graphs, JAX's jitted programs), so an
+        experiment can tell a timed call that compiled from a warm one; None for an engine that compiles nothing."""
+        return None
+
     def weight_bytes(self) -> int | None:
         """Bytes of the model's parameters and buffers as held (each storage once), from their shapes.
 

@@ -244,6 +244,9 @@ class StaticEngine(GenerateEngine):
         super().close()
         self._cache = None
 
+    def compiled_programs(self) -> int | None:
+        return graph_counts()["graphs"] if self.ctx.engine_cfg.compile else None
+
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),

@@ -187,6 +187,9 @@ class JaxEngine(SteppedEngine):
         """Distinct compiled programs of each jitted function, from JAX's own caches."""
         return {"piece": self.piece_fn._cache_size(), "step": self.step_fn._cache_size()}
 
+    def compiled_programs(self) -> int | None:
+        return sum(self.programs().values())
+
     def program_texts(self) -> dict[str, str]:
         """The two compiled programs' HLO text, piece then step (``experiment=profile`` names XLA's operations
         by it); lowered for the shapes they were called with, so JAX's compile cache answers."""

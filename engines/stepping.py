@@ -165,6 +165,9 @@ class SteppingEngine(SteppedEngine):
         super().close()
         self.compiled_step = self.packed_tables = None
 
+    def compiled_programs(self) -> int | None:
+        return None if self.backend == "none" else graph_counts()["graphs"]
+
     def describe(self) -> dict[str, Any]:
         weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights),
                                    "kept_4bit": [p.rpartition(".")[2] for p in self.packed_tables]

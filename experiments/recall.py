@@ -9,7 +9,10 @@ For each prompt of ``experiments.recall_prompts`` that fits (article 003, Step 1
   warm ``generate(prompt, N)``; ``decode_tok_s`` = (N-1) / (T_N - T_1), as in ``decode``.
 ``read_tok_s`` = prompt tokens / read_s; the answer text up to EOS, the six-digit code parsed from it,
 found yes/no, the asked record and the true code. Each outcome names its ``method``. Before the
-first prompt one N-token call on the smallest prompt pays the compile (``recall_first_call_s``).
+first prompt one N-token call on the smallest prompt pays the compile (``recall_first_call_s``). A longer
+prompt can still make an engine compile inside its timed calls (the ring with ``attend=filled`` or ``exact``:
+a program per bucket or slot count not met before): ``programs_compiled`` counts them (the engine's own count,
+None where it compiles nothing), so a read or decode rate that includes compiling says so.
 Timer boundaries: ``device.sync()`` before and after every call, and at each engine phase boundary.
 """
 
@@ -111,6 +114,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     for prompt in prompts:
         ids = list(prompt.ids)
         reads, rates = [], []
+        programs_before = cell.engine.compiled_programs()
         for _ in range(cfg.experiment.repeats):
             read_s, gen, rate = read_and_decode(cell, ids)
             reads.append(read_s)
@@ -130,6 +134,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
                 "answer_text": said["text"],
                 "answer_code": code,
                 "found": code == prompt.true_code,
+                "programs_compiled": None if programs_before is None
+                else cell.engine.compiled_programs() - programs_before,
             }
         )
         key = f"recall_{prompt.target_tokens}"

@@ -7,7 +7,9 @@ from transformers import AutoTokenizer
 
 from experiments import recall_prompts
 from experiments.recall import parse_code
+from reports import render
 from runner import run_cell
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,12 @@ def test_parse_code():
     assert parse_code("no digits") is None
 
 
-def test_ring_records_every_prompt_that_fits_and_compiled_skips_past_its_window(cell_cfg, tiny):
+def test_ring_records_every_prompt_that_fits_and_compiled_skips_past_its_window(cell_cfg, tiny, tmp_path):
     ring = run_cell(
         cell_cfg(
             "engine=ring",
             "engine.backend=eager",
+            "engine.attend=exact",
             "experiment=recall",
             "context=4352",
             "max_new_tokens=8",
@@ -50,11 +53,22 @@ def test_ring_records_every_prompt_that_fits_and_compiled_skips_past_its_window(
     assert by_target[4096]["prompt_tokens"] > 4000 and by_target[4096]["read_tok_s"] > 0
     assert "does not fit context=4352" in by_target[32768]["reason"]
     assert {"answer_code", "found", "true_code", "prompt_sha256", "generator_version"} <= set(by_target[64])
+    # the first call (on the 64-token prompt) compiled one piece and one step for 256 slots; the long prompt's timed
+    # call met larger slot counts first (attend=exact: the program made dynamic in them at the second) and compiled
+    # every other program the cell holds
+    assert ring["engine"]["graph_breaks"] == 0 and by_target[64]["programs_compiled"] == 0
+    assert by_target[4096]["programs_compiled"] == ring["engine"]["graphs"] - 2 > 0
+    assert len(ring["engine"]["buckets"]) > 2
     compiled = run_cell(
         cell_cfg("engine=compiled", "engine.backend=eager", "experiment=recall", "context=4352", "max_new_tokens=8")
     )
     long = {o["target_tokens"]: o for o in compiled["outputs"]["recall"]}[4096]
     assert long["status"] == "skipped" and "sliding_window=128" in long["reason"]
+    out = render.build(tmp_path / "runs", REPO / "evidence" / "published", tmp_path / "R.md", tmp_path / "a.txt")
+    rows = [line for line in out.report.read_text().splitlines() if line.startswith("| ring | tiny | cpu | 4352 |")]
+    compiled_column = "| engine | model | device | context | prompt tokens | read s | read tok/s | compiled |"
+    assert compiled_column in out.report.read_text() and len(rows) == 2
+    assert [row.split(" | ")[7] for row in rows] == ["0", str(by_target[4096]["programs_compiled"])]
 
 
 def test_context_above_the_model_is_a_clear_error(cell_cfg, tiny):

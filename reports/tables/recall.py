@@ -15,7 +15,7 @@ import pandas as pd
 from reports.uncertainty import sampled
 
 RECALL_FIELDS = ["target_tokens", "status", "reason", "prompt_tokens", "read_s", "read_tok_s", "answer_code", "found",
-                 "asked_record", "records", "true_code", "prompt_sha256", "method"]  # fmt: skip
+                 "asked_record", "records", "true_code", "prompt_sha256", "method", "programs_compiled"]  # fmt: skip
 # The rate columns, each with the formula a method string must name to be in it.
 RATE_METHODS = {"decode_timer": "(N-1)/decode_s", "decode_pair": "(N-1)/(T_N - T_1)"}
 
