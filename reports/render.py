@@ -60,6 +60,11 @@ def sci(value: Any) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
 
 
+def whole(value: Any) -> str:
+    """A count as a whole number; "–" where the evidence has none (None, or NaN in a pandas column)."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else str(int(value))
+
+
 def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
     """Published decode tok/s per decodebench engine, as printed, with the article and table."""
     out: dict[str, list[str]] = {}
@@ -96,7 +101,8 @@ def environment() -> Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(gb=gb, num=num, sci=sci, fmt=arithmetic.fmt, span=published_data.span, ci=uncertainty.shown)
+    env.filters.update(gb=gb, num=num, sci=sci, whole=whole, fmt=arithmetic.fmt, span=published_data.span,
+                       ci=uncertainty.shown)
     return env
 
 
