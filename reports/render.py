@@ -46,23 +46,26 @@ class Outputs:
     plots: list[Path]
 
 
+def missing(value: Any) -> bool:
+    """No figure in the evidence: None, or NaN where a pandas column has no value for the row."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def gb(value: Any) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value / 1e9:.2f}"
+    return "–" if missing(value) else f"{value / 1e9:.2f}"
 
 
 def num(value: Any, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}f}"
+    return "–" if missing(value) else f"{value:.{digits}f}"
 
 
 def sci(value: Any) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
+    return "–" if missing(value) else f"{value:.3g}"
 
 
 def whole(value: Any) -> str:
-    """A count as a whole number; "–" where the evidence has none (None, or NaN in a pandas column)."""
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else str(int(value))
+    """A count as a whole number, "–" where the evidence has none."""
+    return "–" if missing(value) else str(int(value))
 
 
 def published_rates(pub: published_data.Published) -> dict[str, list[str]]:
