@@ -25,7 +25,7 @@ SECRET = "sk-decodebench-test-secret"
 
 @pytest.fixture(scope="module")
 def endpoint(cache_dir, tiny):
-    with serving_engine(cache_dir, "ring", "engine.backend=eager") as state:
+    with serving_engine(cache_dir, "ring", "engine.backend=none") as state:
         yield state
 
 
@@ -36,7 +36,7 @@ def test_a_decode_cell_through_the_endpoint_writes_the_engines_own_tokens(cell_c
     key = "engine.api_key_env=DECODEBENCH_TEST_KEY"
     record = run_cell(cell_cfg("engine=openai", f"engine.url={url}", key, *common))
     assert record["status"] == "ok", record["reason"]
-    bare = run_cell(cell_cfg("engine=ring", "engine.backend=eager", *common))  # the served engine, in process
+    bare = run_cell(cell_cfg("engine=ring", "engine.backend=none", *common))  # the served engine, in process
     assert record["outputs"]["generated_ids"] == bare["outputs"]["generated_ids"]
     assert record["measurements"]["decode_tok_s"]["n"] == 2
     engine = record["engine"]

@@ -42,11 +42,11 @@ def evidence_dir(tmp_path_factory, cache_dir, tiny) -> Path:
     ]
     for overrides in (
         ["engine=generate"],
-        ["engine=ring", "engine.backend=eager"],
+        ["engine=ring", "engine.backend=none"],
         ["engine=fuse"],
         ["engine=generate", "experiment=parity", "max_new_tokens=6"],
         ["engine=generate", "experiment=parity-bf16"],
-        ["engine=ring", "engine.backend=eager", "experiment=parity-bf16"],
+        ["engine=ring", "engine.backend=none", "experiment=parity-bf16"],
     ):
         assert run_cell(make_cfg(*common, *overrides))["status"] in ("ok", "skipped")
     for path in runs.rglob("*.json"):  # the suite's machine is shared: these tests are about rendering, and

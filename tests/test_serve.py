@@ -90,8 +90,9 @@ def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, An
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tiny):
-    """A ring engine (eager backend) built, warmed and served on its own thread; the app on another."""
-    with serving_engine(cache_dir, "ring", "engine.backend=eager") as state:
+    """A ring engine (backend none: serving is the point, not its programs) built, warmed and served on its own
+    thread; the app on another."""
+    with serving_engine(cache_dir, "ring", "engine.backend=none") as state:
         yield state
 
 
@@ -265,7 +266,7 @@ def test_chat_page_streams_carries_the_conversation_and_stop_cancels(server):
 
 
 def test_the_cli_serves_until_interrupted(cache_dir, tiny):
-    command = [sys.executable, "serve.py", "engine=ring", "engine.backend=eager",
+    command = [sys.executable, "serve.py", "engine=ring", "engine.backend=none",
                f"cache_dir={cache_dir}", "device=cpu", "serve.port=0", "max_new_tokens=4"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -292,7 +293,7 @@ def test_the_streaming_hook_hands_over_batches_and_stops(cache_dir, tiny, engine
     if engine in ("rust", "jax"):
         pytest.importorskip({"rust": "decodebench_rs", "jax": "jax"}[engine])
     every = 1 if engine == "generate" else 3  # generate hands over each token: it refuses read_every=3 by name
-    built = load(cache_dir, engine, every, *(("engine.backend=eager",) if engine == "ring" else ())).engine
+    built = load(cache_dir, engine, every, *(("engine.backend=none",) if engine == "ring" else ())).engine
     ids = [2, 10, 11, 12]
     bare = built.generate(ids, 10).tokens
     batches: list[list[int]] = []
@@ -311,7 +312,7 @@ def test_the_streaming_hook_hands_over_batches_and_stops(cache_dir, tiny, engine
 
 def test_a_serve_cell_writes_all_three_parts_and_the_report_shows_them(cell_cfg, tiny, tmp_path):
     prompts = "experiment.prompts=['Hello','Why is the sky blue']"
-    cfg = cell_cfg("engine=ring", "engine.backend=eager", "experiment=serve", "experiment.requests=2",
+    cfg = cell_cfg("engine=ring", "engine.backend=none", "experiment=serve", "experiment.requests=2",
                    "max_new_tokens=12", prompts, "repeats=1")  # fmt: skip
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]

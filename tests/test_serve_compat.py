@@ -36,8 +36,8 @@ PROMPT = "The ocean is"
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tiny):
-    """A ring engine (eager backend) served as in tests/test_serve.py."""
-    with serving_engine(cache_dir, "ring", "engine.backend=eager") as state:
+    """A ring engine (backend none) served as in tests/test_serve.py."""
+    with serving_engine(cache_dir, "ring", "engine.backend=none") as state:
         yield state
 
 

@@ -35,12 +35,12 @@ START_S = 240  # a server's load and warm-up on this machine's shared cores
 
 @contextmanager
 def local_server(cache_dir: Path) -> Iterator[dict[str, Any]]:
-    """decodebench's server over a tiny ring engine (eager backend), built and served on an engine thread of
+    """decodebench's server over a tiny ring engine (backend none), built and served on an engine thread of
     its own (as serve.py does on its main thread), uvicorn on another; yields url, worker and the pacer."""
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
-        ring = opened(f"cache_dir={cache_dir}", "engine=ring", "read_every=1", "engine.backend=eager")
+        ring = opened(f"cache_dir={cache_dir}", "engine=ring", "read_every=1", "engine.backend=none")
         ring.load()
         ring.engine.generate([2, 3, 4], 3)  # warm-up
         paced = Paced(ring.engine)

@@ -124,9 +124,9 @@ def test_the_first_token_kl_is_the_rust_articles_definition(cell_cfg, tiny, cach
     from decodebench.checkpoint import load_reference, resolve
     from tests.conftest import opened
 
-    record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "experiment=parity"))
+    record = run_cell(cell_cfg("engine=ring", "engine.backend=none", "experiment=parity"))
     assert record["status"] == "ok", record["reason"]
-    ring = opened(f"cache_dir={cache_dir}", "engine=ring", "engine.backend=eager", "experiment=parity")
+    ring = opened(f"cache_dir={cache_dir}", "engine=ring", "engine.backend=none", "experiment=parity")
     ids = ring.encode(record["config"]["prompt"])
     engine_logits = ring.load().generate(ids, 1, return_logits=True).logits[0].double()
     bf16_twin = resolve(ring.ctx.model_cfg, "bf16", ring.ctx.cache_dir)  # the reference reads -ct-text
@@ -146,7 +146,7 @@ def test_the_sequence_kl_is_the_colab_articles_definition(cell_cfg, tiny, engine
     (float32: KL at rounding level, the same top token everywhere), over prompt tokens + N positions."""
     if engine == "jax":
         pytest.importorskip("jax")
-    extra = ("engine.backend=eager",) if engine == "ring" else ()
+    extra = ("engine.backend=none",) if engine == "ring" else ()
     record = run_cell(cell_cfg(f"engine={engine}", *extra, "experiment=parity"))
     assert record["status"] == "ok", record["reason"]
     m = record["measurements"]
