@@ -3,8 +3,13 @@ end and writes its evidence, whatever happens; summarises a multirun from its sw
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,33 @@ from experiments.cell import Cell, MethodError
 from experiments.common import Result
 
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
+
+
+class Stopped(BaseException):
+    """SIGTERM, raised in a cell's main thread so that the cell writes its evidence before the process ends.
+    A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stop_raises() -> Iterator[None]:
+    """While a cell runs in the main thread, SIGTERM raises ``Stopped`` instead of ending the process at once
+    (Python's default, which leaves no evidence); the handler before it is restored after."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+
+    def _raise(signum: int, _frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register_configs() -> None:
@@ -187,31 +219,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         return None
     record = new_record(cfg, config, path)
     try:
-        run = typed_config(cfg)
-        check_way(run)
-        experiment = EXPERIMENTS.get(run.experiment.name)
-        if experiment is None:  # only reachable by overriding experiment.name
-            raise ConfigError(f"unknown experiment {run.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
-        engine_cls = engine_class(run.engine.name) if experiment.engine else None
-        device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
-        record.environment = capture(device)
-        record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
-        contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
-        try:
-            if engine_cls is None:
-                keep(record, experiment.run(Cell(run, device, None, path)))
-            else:
-                opened = open_engine(run, device)
-                record.model = {**record.model, **opened.checkpoint.provenance}
-                try:
-                    result = experiment.run(Cell(run, device, opened, path))
-                finally:
-                    if opened.engine is not None:
-                        record.engine = opened.engine.describe()
-                    opened.close()
-                keep(record, result)
-        finally:
-            record.environment["contention"] = contention.measure()
+        with stop_raises():
+            measure(cfg, record, path)
     except (EngineLimit, DeviceHeld) as exc:  # cannot run here: skipped, with the reason
         record.status, record.reason = "skipped", str(exc)
     except EXPECTED as exc:
@@ -219,7 +228,46 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
     except Exception as exc:  # a crash is evidence too; the sweep goes on
         record.status, record.reason = "failed", f"{type(exc).__name__}: {exc}"
         record.traceback = traceback.format_exc()
+    except (KeyboardInterrupt, Stopped) as exc:  # asked to end: failed evidence, then the process ends as asked
+        asked = exc.args[0] if isinstance(exc, Stopped) else "SIGINT (Ctrl-C)"
+        record.status, record.reason = "failed", f"stopped by {asked} while the cell ran (its traceback says where)"
+        record.traceback = traceback.format_exc()
+        write(record, path)
+        if isinstance(exc, Stopped):  # end by the signal, as the default would have: the exit status names it
+            signal.signal(exc.signum, signal.SIG_DFL)
+            os.kill(os.getpid(), exc.signum)
+        raise
     return write(record, path)
+
+
+def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
+    """The cell's experiment, what it gives kept in ``record``: the typed run, its device, the environment and
+    the machine, the engine opened through the factory and closed whatever happens, the contention while it ran."""
+    run = typed_config(cfg)
+    check_way(run)
+    experiment = EXPERIMENTS.get(run.experiment.name)
+    if experiment is None:  # only reachable by overriding experiment.name
+        raise ConfigError(f"unknown experiment {run.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")
+    engine_cls = engine_class(run.engine.name) if experiment.engine else None
+    device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
+    record.environment = capture(device)
+    record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
+    contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
+    try:
+        if engine_cls is None:
+            keep(record, experiment.run(Cell(run, device, None, path)))
+        else:
+            opened = open_engine(run, device)
+            record.model = {**record.model, **opened.checkpoint.provenance}
+            try:
+                result = experiment.run(Cell(run, device, opened, path))
+            finally:
+                if opened.engine is not None:
+                    record.engine = opened.engine.describe()
+                opened.close()
+            keep(record, result)
+    finally:
+        record.environment["contention"] = contention.measure()
 
 
 def keep(record: evidence.Record, result: Result) -> None:

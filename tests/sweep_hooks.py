@@ -24,9 +24,43 @@ class WaitToBeKilled(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.engine.name != self.engine:
             return
-        tmp = self.pid_file.with_suffix(".tmp")
-        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
-        seen = {"pid": os.getpid(), "ppid": os.getppid(), "cuda_visible_devices": devices}
-        tmp.write_text(json.dumps(seen))
-        tmp.rename(self.pid_file)
+        announce(self.pid_file)
         time.sleep(self.seconds)
+
+
+class StallInCell(Callback):
+    """In the cell of engine ``engine``: the cell runs (past its start, inside ``runner.run_cell``) but opens its
+    engine only after ``seconds``, having written ``pid_file`` as ``WaitToBeKilled`` does; the factory is
+    restored when the job ends, for the cells after it in the same process."""
+
+    def __init__(self, engine: str, pid_file: str, seconds: float = 120.0) -> None:
+        self.engine, self.pid_file, self.seconds = engine, Path(pid_file), seconds
+        self.restore: Any = None
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        import runner
+
+        if config.engine.name != self.engine:
+            return
+        factory = self.restore = runner.open_engine
+
+        def stalled(*args: Any, **kw: Any) -> Any:
+            announce(self.pid_file)
+            time.sleep(self.seconds)
+            return factory(*args, **kw)
+
+        runner.open_engine = stalled
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        import runner
+
+        if self.restore is not None:
+            runner.open_engine, self.restore = self.restore, None
+
+
+def announce(pid_file: Path) -> None:
+    """This process's id, its parent's and its CUDA_VISIBLE_DEVICES into ``pid_file`` (JSON), atomically."""
+    tmp = pid_file.with_suffix(".tmp")
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cuda_visible_devices": devices}))
+    tmp.rename(pid_file)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -94,6 +97,30 @@ def test_schema_rejects_malformed_records(cell_cfg, tiny):
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "run.py", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_cell_stopped_while_it_runs_writes_failed_evidence_then_ends_as_asked(cache_dir, tiny, tmp_path, sig):
+    pid_file, hook = tmp_path / "cell.pid", "+hydra.callbacks.stall"
+    proc = subprocess.Popen(
+        [sys.executable, "run.py", "model=tiny", "max_new_tokens=4", "repeats=1", "device=cpu", "sweep=stopped",
+         f"cache_dir={cache_dir}", f"evidence_dir={tmp_path / 'runs'}",
+         f"{hook}._target_=tests.sweep_hooks.StallInCell", f"{hook}.engine=generate", f"{hook}.pid_file={pid_file}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists(), proc.communicate()
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -sig, (proc.returncode, err[-3000:])  # it ended by the signal, after writing
+    record = evidence.read(only_file(tmp_path / "runs"))
+    evidence.validate(record)
+    asked = "SIGTERM" if sig == signal.SIGTERM else "SIGINT (Ctrl-C)"
+    assert record["status"] == "failed" and record["reason"].startswith(f"stopped by {asked} while the cell ran")
+    assert "in stalled" in record["traceback"], "the traceback says where the cell was"
+    assert "[failed] " in err and "stopped by" in err
 
 
 def test_unknown_engine_lists_the_valid_ones():

@@ -68,6 +68,7 @@ def test_a_killed_cell_is_failed_evidence_and_resume_reruns_only_it(cache_dir, t
     killed = cells["static"]
     assert killed["status"] == "failed"
     assert "killed by SIGKILL (signal 9)" in killed["reason"] and "exit status -9" in killed["reason"]
+    assert "before it wrote its evidence" in killed["reason"], "the launcher wrote it: the cell never ran"
     assert "1 failed, 1 ok" in out
 
     ok_file = next((tmp_path / "runs" / "iso").glob("generate-*.json"))
@@ -105,7 +106,7 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
         cache_dir,
         tmp_path / "runs",
         "hydra.launcher.timeout_min=0.05",  # 3 s from the cell's start: the stalled cell waits 120 s to be killed
-        f"{hook}._target_=tests.sweep_hooks.WaitToBeKilled",
+        f"{hook}._target_=tests.sweep_hooks.StallInCell",  # SIGTERM reaches it inside run_cell
         f"{hook}.engine=static",
         f"{hook}.pid_file={tmp_path / 'static.pid'}",
     )
@@ -118,6 +119,9 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     assert "ran past hydra.launcher.timeout_min=0.05 and was stopped" in stalled["reason"]
     assert "killed by SIGTERM (signal 15)" in stalled["reason"] and "exit status -15" in stalled["reason"]
     assert (tmp_path / "static.pid").exists(), "its time starts when it runs, not with the fork server's imports"
+    # the cell wrote its own file, with where it was; the launcher kept it and said how its process ended
+    assert "; in the cell: stopped by SIGTERM while the cell ran" in stalled["reason"]
+    assert "in stalled" in stalled["traceback"] and "time.sleep" in stalled["traceback"]
 
 
 def test_each_cell_is_a_fork_of_a_clean_interpreter_and_a_fresh_one_on_a_tpu():

@@ -9,9 +9,10 @@ or run. On a TPU each cell is a fresh interpreter instead (``spawn``): whether t
 state that a fork must not share cannot be checked off a TPU. A cell whose process dies before it writes
 its evidence (SIGKILL from the kernel's out-of-memory killer or a user, a crash in native code) gets a
 ``failed`` evidence file written here, in the sweep's process, from its exit status, naming the signal; a
-cell past ``timeout_min`` is stopped (SIGTERM, SIGKILL 10 s later) and recorded the same way; the sweep
-goes on, and ``resume=true`` reruns only the cells that are not ok (checked here, before a process is
-started for them).
+cell past ``timeout_min`` is stopped (SIGTERM, SIGKILL 10 s later) and recorded the same way (a cell that
+SIGTERM reaches while it runs writes its own failed file, with the traceback of where it was, and this
+launcher adds how its process ended to the reason); the sweep goes on, and ``resume=true`` reruns only the
+cells that are not ok (checked here, before a process is started for them).
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def died(
     cfg: DictConfig, config: dict[str, Any], path: Path | None, before: int | None, returncode: int, how: str
 ) -> dict[str, Any] | None:
     """The evidence of a cell whose process ended without a result: its own file if it wrote one before
-    it died, else a ``failed`` one written here from its exit status."""
+    it died (a ``failed`` one, which a stopped cell writes, also says how its process ended), else a
+    ``failed`` one written here from its exit status."""
     from decodebench import evidence
     from runner import new_record, write
 
@@ -190,7 +192,13 @@ def died(
         return None
     if stamp(path) != before:  # it wrote its evidence, then died: the file stands
         print(f"[note] {path}: {how} after it wrote this file", file=sys.stderr, flush=True)
-        return evidence.read(path)
+        own = evidence.read(path)
+        if own["status"] != "failed":
+            return own
+        own["reason"] = f"{how} (isolated launcher, exit status {returncode}); in the cell: {own['reason']}"
+        evidence.validate(own)
+        evidence.write_atomic(path, own)
+        return own
     record = new_record(cfg, config, path)
     record.reason = f"{how} before it wrote its evidence (isolated launcher, exit status {returncode})"
     record.traceback = (
