@@ -3,7 +3,6 @@ end and writes its evidence, whatever happens; summarises a multirun from its sw
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -51,8 +50,10 @@ class Stopped(BaseException):
 @contextmanager
 def stop_raises() -> Iterator[None]:
     """While a cell runs in the main thread, SIGTERM raises ``Stopped`` instead of ending the process at once
-    (Python's default, which leaves no evidence); the handler before it is restored after."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+    (Python's default, which leaves no evidence); the handler before it is restored after. A process that
+    ignores SIGTERM keeps ignoring it."""
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    if not main or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         yield
         return
 
@@ -233,9 +234,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         record.status, record.reason = "failed", f"stopped by {asked} while the cell ran (its traceback says where)"
         record.traceback = traceback.format_exc()
         write(record, path)
-        if isinstance(exc, Stopped):  # end by the signal, as the default would have: the exit status names it
-            signal.signal(exc.signum, signal.SIG_DFL)
-            os.kill(os.getpid(), exc.signum)
+        if isinstance(exc, Stopped):  # the signal again, to the handler before the cell's (the default ends the
+            signal.raise_signal(exc.signum)  # process, its exit status naming the signal; a launcher's runs)
         raise
     return write(record, path)
 

@@ -113,6 +113,27 @@ def test_a_cell_interrupted_by_ctrl_c_writes_failed_evidence_then_stops(cell_cfg
     assert "in interrupted" in record["traceback"], "the traceback says where the cell was"
 
 
+def test_sigterm_in_a_cell_reaches_the_handler_before_it_after_the_evidence(cell_cfg, tiny, tmp_path, monkeypatch):
+    received = []
+
+    def sent(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # as a scheduler's SIGTERM arrives, wherever the cell is
+
+    monkeypatch.setattr(runner, "open_engine", sent)
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))  # e.g. a launcher's
+    try:
+        with pytest.raises(runner.Stopped):
+            run_cell(cell_cfg("max_new_tokens=4"))
+        assert received == [signal.SIGTERM], "the handler the process had is handed the signal, once"
+        record = evidence.read(only_file(tmp_path / "runs"))
+        assert record["status"] == "failed" and record["reason"].startswith("stopped by SIGTERM while the cell ran")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with runner.stop_raises():
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN, "a process that ignores SIGTERM still does"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_cell_sent_sigterm_while_it_runs_writes_failed_evidence_then_ends_by_the_signal(cache_dir, tiny, tmp_path):
     pid_file, hook = tmp_path / "cell.pid", "+hydra.callbacks.stall"
     proc = subprocess.Popen(
