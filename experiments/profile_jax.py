@@ -111,13 +111,7 @@ class JaxProfile:
         for text in engine.program_texts().values():  # the step's names win where two programs share one
             self.classes.update(instruction_classes(text))
 
-    def prepare(self, call: Callable[[], Any], trace: Path | None) -> None:
-        """The raw trace (gzip) of ``call`` once under the profiler to ``trace``; no call without one (the classes
-        come from the programs' text, read when this was made)."""
-        if trace is not None:
-            self.run(call, trace)
-
-    def run(self, call: Callable[[], Any], trace: Path | None = None) -> dict[str, float]:
+    def run(self, call: Callable[[], Any], trace: Path | None) -> dict[str, float]:
         """``call`` once under the profiler: wall seconds by class; the raw trace (gzip) to ``trace``."""
         import jax.profiler
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
-from types import SimpleNamespace
 
 import pytest
-import torch
 
-from experiments import profile as profile_module
-from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile
+from experiments.profile import CLASSES, WEIGHT_KINDS
 from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
 from reports.tables.profile import profile_table
@@ -103,31 +100,3 @@ def test_xla_operations_are_classed_by_the_models_scopes_and_concurrent_time_is_
     assert split["host: dispatch and wrappers"] == pytest.approx(10e-6)
     assert split["norms and elementwise"] == pytest.approx(5e-6)
     assert sum(split.values()) == pytest.approx(35e-6), "the wall time covered, never more"
-
-
-def test_weight_products_are_told_apart_by_shapes_recorded_once_and_the_measured_calls_record_none(monkeypatch):
-    class Block(torch.nn.Module):  # two weight products of different kinds and shapes: (in, out) 64x32 and 64x256
-        def __init__(self) -> None:
-            super().__init__()
-            self.q_proj = torch.nn.Linear(64, 32, bias=False)
-            self.up_proj = torch.nn.Linear(64, 256, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.q_proj(x).sum() + self.up_proj(x).sum()
-
-    recorded: list[bool] = []
-
-    def spy(*args, record_shapes: bool = False, **kwargs):
-        recorded.append(record_shapes)
-        return torch.profiler.profile(*args, record_shapes=record_shapes, **kwargs)
-
-    monkeypatch.setattr(profile_module, "profile", spy)
-    block, x = Block(), torch.randn(1, 64)
-    profiler = TorchProfile(SimpleNamespace(model=block))
-    profiler.prepare(lambda: block(x), None)
-    split = profiler.splits["aten::mm"]
-    assert set(split) == {"weights: attention projections", "weights: MLP"} and sum(split.values()) == pytest.approx(1)
-    classes = profiler.run(lambda: block(x))
-    assert recorded == [True, False], "shapes in the preparing call only"
-    assert {"weights: attention projections", "weights: MLP"} <= set(classes)
-    assert "attention" not in classes, "a product profiled without shapes still goes to its weights' kinds"
