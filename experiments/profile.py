@@ -3,7 +3,10 @@
 The method is the decode experiment's, applied to a profile: ``repeats`` pairs of a warm 1-token call and
 a warm N-token call run under the framework's profiler, and every class's time is the N-token call's less
 the 1-token call's, over N-1: per token, the prompt read dropped out; each class's figure is the median over
-the pairs. Under ``torch.profiler`` (the Rust engine's ATen calls reach it through the dispatcher) a class's
+the pairs. One more pair under the profiler comes first: its N-token call keeps the raw trace and, under
+``torch.profiler``, the pair records the operators' input shapes, which tell the weight products of the decode
+steps apart (``TorchProfile``); the measured pairs run without them. Under ``torch.profiler`` (the Rust engine's
+ATen calls reach it through the dispatcher) a class's
 time is its operators' self time; under ``jax.profiler`` it is the wall time of XLA's operations, split
 where they run at once (``experiments/profile_jax.py``). Operators fall into classes a reader can act on:
 
@@ -29,6 +32,7 @@ trace goes beside the evidence, gzip-compressed.
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 import statistics
 import tempfile
@@ -60,6 +64,7 @@ HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "at
         "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
         "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
         "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_")  # fmt: skip
+Shapes = dict[tuple[int, int], dict[str, int]]  # (in, out) features -> how many linears of each weight class
 OPERATOR_SLACK = 0.05  # the profiled operators may exceed the unprofiled step by this share (timer noise)
 
 
@@ -78,9 +83,9 @@ def headline(record: Record) -> str:
     return f"profile: {record.value('step_ms'):.2f} ms a token; {top}"
 
 
-def linear_shapes(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, int]]:
+def linear_shapes(model: torch.nn.Module) -> Shapes:
     """(in, out) features of every linear weight -> how many linears of each weight class have that shape."""
-    shapes: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    shapes: Shapes = defaultdict(lambda: defaultdict(int))
     for name, module in model.named_modules():
         kind = next((k for k, ends in WEIGHT_KINDS.items() if name.rpartition(".")[2] in ends), None)
         out_in = getattr(module, "out_features", None), getattr(module, "in_features", None)
@@ -106,44 +111,73 @@ def matmul_shape(op: str, shapes: list[list[int]]) -> tuple[int, int] | None:
         return (x[-1], scales[1]) if len(x) >= 2 and len(scales) == 3 else None
     if op == "aten::addmm":
         shapes = shapes[1:]
-    if len(shapes) >= 2 and len(shapes[0]) == 2 and len(shapes[1]) == 2:
-        return shapes[1][0], shapes[1][1]
-    return None
+    if len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) != 2:
+        return None
+    x, w = shapes[0], shapes[1]
+    if op == "aten::linear":  # the weight as held, [out, in]; the input of any rank
+        return (w[1], w[0]) if x[-1] == w[1] else None
+    # mm, addmm, matmul: the weight transposed, [in, out]; mm and addmm take one-row-per-token 2-D inputs only
+    return (w[0], w[1]) if x[-1] == w[0] and (op == "aten::matmul" or len(x) == 2) else None
 
 
-def attribute(events: Any, shapes: dict[tuple[int, int], dict[str, int]]) -> dict[str, float]:
-    """Self seconds of a profile's operators by class (``key_averages(group_by_input_shape=True)``)."""
+def classify(name: str, input_shapes: list[list[int]], shapes: Shapes) -> dict[str, float]:
+    """The classes an operator's self time goes to, as shares summing to 1 (a weight product is matched to the
+    model's linears by its input shapes; where two kinds share a shape, in proportion to their counts)."""
+    kinds = shapes.get(matmul_shape(name, input_shapes)) if name in MATMULS else None
+    if kinds:
+        total = sum(kinds.values())
+        return {kind: count / total for kind, count in kinds.items()}
+    if name in MATMULS or name.startswith(ATTENTION) or "scaled_dot_product" in name:
+        return {"attention": 1.0}
+    if name in LOOKUPS:
+        return {"table lookups": 1.0}
+    if name in LOGITS:
+        return {"logits and argmax": 1.0}
+    return {DISPATCH: 1.0} if name.startswith(HOST) else {"norms and elementwise": 1.0}
+
+
+def attribute(events: Any, share: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+    """Self seconds of a profile's operators (``key_averages()``) by class, each event's split by ``share``."""
     out: dict[str, float] = defaultdict(float)
     for event in events:
-        name, seconds = event.key, event.self_cpu_time_total / 1e6
-        kinds = shapes.get(matmul_shape(name, event.input_shapes)) if name in MATMULS else None
-        if kinds:
-            total = sum(kinds.values())
-            for kind, count in kinds.items():
-                out[kind] += seconds * count / total
-        elif name in MATMULS or name.startswith(ATTENTION) or "scaled_dot_product" in name:
-            out["attention"] += seconds
-        elif name in LOOKUPS:
-            out["table lookups"] += seconds
-        elif name in LOGITS:
-            out["logits and argmax"] += seconds
-        elif name.startswith(HOST):
-            out[DISPATCH] += seconds
-        else:
-            out["norms and elementwise"] += seconds
+        for c, fraction in share(event).items():
+            out[c] += event.self_cpu_time_total / 1e6 * fraction
     return out
 
 
 class TorchProfile:
-    """One torch engine's calls under ``torch.profiler``, operators attributed by class (module docstring)."""
+    """One torch engine's calls under ``torch.profiler``, operators attributed by class (module docstring).
+
+    Input shapes, which tell one weight product from another, are recorded in ``prepare``'s call only: recording
+    them costs about a microsecond per operator, inside its caller's self time (``F.linear`` of one bf16 row,
+    11 operators: 7.1 us a call unprofiled, 10.4 us of self time profiled, 22.3 us with shapes), which the
+    measured calls would charge to the classes, most to an engine of many small ATen calls (``rust``)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.model = engine.model  # the Rust engine keeps the torch model its weights came from
         self.shapes = linear_shapes(self.model)
+        self.splits: dict[str, dict[str, float]] = {}  # matrix product -> its self time's shares by class
 
-    def run(self, call: Callable[[], Any], trace: Path | None) -> dict[str, float]:
-        """``call`` once under the profiler: self seconds by class; the raw trace (gzip) to ``trace``."""
+    def prepare(self, one: Callable[[], Any], many: Callable[[], Any], trace: Path | None) -> None:
+        """A 1-token call ``one`` and an N-token call ``many`` once each under the profiler with input shapes:
+        each matrix product's self time in the decode steps alone split by class (``splits``), the N-token
+        call's raw trace (gzip) to ``trace``. A product of one shape counts for the calls the N-token call makes
+        beyond the 1-token call's, at its mean self time a call: the prompt's products (read by both calls, in
+        pieces of many rows) drop out."""
+        before = self.shaped(one, None)
+        by_product: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for (name, input_shapes), (count, self_us) in self.shaped(many, trace).items():
+            extra = count - before.get((name, input_shapes), (0, 0.0))[0]
+            for c, fraction in classify(name, json.loads(input_shapes), self.shapes).items():
+                by_product[name][c] += max(extra, 0) * self_us / count * fraction
+        self.splits = {op: {c: t / sum(times.values()) for c, t in times.items()}
+                       for op, times in by_product.items() if sum(times.values()) > 0}  # fmt: skip
+
+    @staticmethod
+    def shaped(call: Callable[[], Any], trace: Path | None) -> dict[tuple[str, str], tuple[int, float]]:
+        """``call`` once under the profiler with input shapes: (product, its input shapes as JSON) -> (calls,
+        self microseconds) for every matrix product; the raw trace (gzip) to ``trace``."""
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             call()
         if trace is not None:
@@ -152,7 +186,15 @@ class TorchProfile:
                 prof.export_chrome_trace(str(raw))
                 with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-        return attribute(prof.key_averages(group_by_input_shape=True), self.shapes)
+        return {(e.key, json.dumps(e.input_shapes)): (e.count, e.self_cpu_time_total)
+                for e in prof.key_averages(group_by_input_shape=True) if e.key in MATMULS}  # fmt: skip
+
+    def run(self, call: Callable[[], Any]) -> dict[str, float]:
+        """``call`` once under the profiler, shapes not recorded: self seconds by class, each matrix product's
+        split as ``prepare`` found it."""
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            call()
+        return attribute(prof.key_averages(), lambda e: self.splits.get(e.key) or classify(e.key, [], self.shapes))
 
     def read_bytes(self) -> dict[str, int]:
         """Bytes the model's own arrays make each class read per token (the KV cache is the engine's: ``run``
@@ -185,9 +227,10 @@ def run(cell: Cell) -> Result:
     trace, trace_name = cell.beside(".trace.json.gz") if cfg.experiment.trace else (None, None)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
-    for repeat in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
-        one = profiler.run(lambda: cell.call(ids, 1), None)
-        many = profiler.run(lambda: cell.call(ids, n), trace if repeat == 0 else None)
+    profiler.prepare(lambda: cell.call(ids, 1), lambda: cell.call(ids, n), trace)  # the products' shapes, the trace
+    for _ in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
+        one = profiler.run(lambda: cell.call(ids, 1))
+        many = profiler.run(lambda: cell.call(ids, n))
         for c in CLASSES[:-1]:
             estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
     per_token = {c: statistics.median(values) for c, values in estimates.items()}

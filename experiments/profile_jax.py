@@ -111,7 +111,13 @@ class JaxProfile:
         for text in engine.program_texts().values():  # the step's names win where two programs share one
             self.classes.update(instruction_classes(text))
 
-    def run(self, call: Callable[[], Any], trace: Path | None) -> dict[str, float]:
+    def prepare(self, one: Callable[[], Any], many: Callable[[], Any], trace: Path | None) -> None:
+        """The raw trace (gzip) of the N-token call ``many`` once under the profiler to ``trace``; no call without
+        one, and none of the 1-token ``one`` (the classes come from the programs' text, read when this was made)."""
+        if trace is not None:
+            self.run(many, trace)
+
+    def run(self, call: Callable[[], Any], trace: Path | None = None) -> dict[str, float]:
         """``call`` once under the profiler: wall seconds by class; the raw trace (gzip) to ``trace``."""
         import jax.profiler
 

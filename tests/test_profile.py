@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import gzip
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from experiments.profile import CLASSES, WEIGHT_KINDS
+from experiments import profile as profile_module
+from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile
 from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
 from reports.tables.profile import profile_table
@@ -100,3 +103,35 @@ def test_xla_operations_are_classed_by_the_models_scopes_and_concurrent_time_is_
     assert split["host: dispatch and wrappers"] == pytest.approx(10e-6)
     assert split["norms and elementwise"] == pytest.approx(5e-6)
     assert sum(split.values()) == pytest.approx(35e-6), "the wall time covered, never more"
+
+
+def test_weight_products_of_the_decode_steps_alone_set_the_split_and_the_measured_calls_record_no_shapes(monkeypatch):
+    class Block(torch.nn.Module):  # two weight products of different kinds and shapes: (in, out) 64x32 and 64x256
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(64, 32, bias=False)
+            self.up_proj = torch.nn.Linear(64, 256, bias=False)
+
+        def forward(self, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+            out = self.up_proj(prompt).sum()  # the prompt read: MLP products of many rows, in both calls of a pair
+            for _ in range(steps):  # the decode steps: attention projections of one row each
+                out = out + self.q_proj(prompt[:1]).sum()
+            return out
+
+    recorded: list[bool] = []
+
+    def spy(*args, record_shapes: bool = False, **kwargs):
+        recorded.append(record_shapes)
+        return torch.profiler.profile(*args, record_shapes=record_shapes, **kwargs)
+
+    monkeypatch.setattr(profile_module, "profile", spy)
+    block, prompt = Block(), torch.randn(512, 64)
+    profiler = TorchProfile(SimpleNamespace(model=block))
+    profiler.prepare(lambda: block(prompt, 1), lambda: block(prompt, 8), None)
+    assert profiler.splits["aten::mm"] == {"weights: attention projections": 1.0, "weights: MLP": 0.0}, (
+        "the prompt's products, read by both calls, drop out of the split"
+    )
+    classes = profiler.run(lambda: block(prompt, 8))
+    assert recorded == [True, True, False], "shapes in the preparing pair only"
+    assert classes["weights: attention projections"] > classes.get("weights: MLP", 0.0) == 0.0
+    assert "attention" not in classes, "a product profiled without shapes still goes to its weights' kinds"
