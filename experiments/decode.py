@@ -18,6 +18,7 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,12 @@ class Pairs:
                 "detail": detail or f"{len(self.warm_1)} pairs"}  # fmt: skip
 
 
-def warm_pairs(cell: Cell, ids: list[int], expected: list[int], n: int | None = None) -> Pairs:
+def warm_pairs(
+    cell: Cell, ids: list[int], expected: list[int], n: int | None = None, after: Callable[[], None] | None = None
+) -> Pairs:
     """``repeats`` timed pairs of a warm 1-token and a warm N-token call (N: ``n`` or the run's
-    ``max_new_tokens``); every N-token call must write ``expected``, the first call's tokens."""
+    ``max_new_tokens``); every N-token call must write ``expected``, the first call's tokens. ``after`` runs
+    after each pair, outside its timers (work that must see the machine as each pair did)."""
     n = n or cell.cfg.max_new_tokens
     pairs = Pairs(n, [], [], [])
     for _ in range(cell.cfg.repeats):
@@ -80,6 +84,8 @@ def warm_pairs(cell: Cell, ids: list[int], expected: list[int], n: int | None = 
         pairs.warm_1.append(t1)
         pairs.warm_n.append(tn)
         pairs.calls.append(gen)
+        if after is not None:
+            after()
     return pairs
 
 

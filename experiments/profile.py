@@ -3,12 +3,13 @@
 The method is the decode experiment's, applied to a profile: ``repeats`` pairs of a warm 1-token call and
 a warm N-token call run under the framework's profiler, and every class's time is the N-token call's less
 the 1-token call's, over N-1: per token, the prompt read dropped out; each class's figure is the median over
-the pairs. One more pair under the profiler comes first: its N-token call keeps the raw trace and, under
+the pairs. Each profiled pair follows an unprofiled one, whose median gives the step the classes must add up
+to. One more pair under the profiler comes first: its N-token call keeps the raw trace and, under
 ``torch.profiler``, the pair records the operators' input shapes, which tell the weight products of the decode
 steps apart (``TorchProfile``); the measured pairs run without them. Under ``torch.profiler`` (the Rust engine's
-ATen calls reach it through the dispatcher) a class's
-time is its operators' self time; under ``jax.profiler`` it is the wall time of XLA's operations, split
-where they run at once (``experiments/profile_jax.py``). Operators fall into classes a reader can act on:
+ATen calls reach it through the dispatcher) a class's time is its operators' self time; under ``jax.profiler``
+it is the wall time of XLA's operations, split where they run at once (``experiments/profile_jax.py``).
+Operators fall into classes a reader can act on:
 
 * ``weights: attention projections``, ``weights: MLP``, ``weights: per-layer inputs``: matrix products
   with a weight, matched to the model's linears by shape (where two kinds share a shape, split in
@@ -218,21 +219,25 @@ def run(cell: Cell) -> Result:
     cell.require_fit(len(ids))
     cell.load()
     first = cell.call(ids, n)  # compile and warm up
-    pairs = warm_pairs(cell, ids, first.tokens)
-    if not pairs.rates:
-        raise EngineLimit(f"no warm pair kept T_N > T_1 ({pairs.check()['detail']}): no step time to attribute")
-    step_s = 1 / statistics.median(pairs.rates)
     estimates: dict[str, list[float]] = defaultdict(list)
     profiler = PROFILES[cell.opened.cls.framework](cell.engine)
     trace, trace_name = cell.beside(".trace.json.gz") if cfg.experiment.trace else (None, None)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
     profiler.prepare(lambda: cell.call(ids, 1), lambda: cell.call(ids, n), trace)  # the products' shapes, the trace
-    for _ in range(cfg.repeats):  # a profiled pair per repeat: per token, the median of the pairs
+
+    def profiled_pair() -> None:  # per token, the N-token call's class times less the 1-token call's, over N-1
         one = profiler.run(lambda: cell.call(ids, 1))
         many = profiler.run(lambda: cell.call(ids, n))
         for c in CLASSES[:-1]:
             estimates[c].append((many.get(c, 0.0) - one.get(c, 0.0)) / (n - 1))
+
+    # each unprofiled pair is followed by a profiled one, so the two see the machine alike (a slow spell of a
+    # shared machine falls on both, not on the profiled pairs alone); per token, the medians of the pairs
+    pairs = warm_pairs(cell, ids, first.tokens, after=profiled_pair)
+    if not pairs.rates:
+        raise EngineLimit(f"no warm pair kept T_N > T_1 ({pairs.check()['detail']}): no step time to attribute")
+    step_s = 1 / statistics.median(pairs.rates)
     per_token = {c: statistics.median(values) for c, values in estimates.items()}
     operators = sum(per_token.values())
     per_token[BETWEEN] = step_s - operators

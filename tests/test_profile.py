@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engines.base import Generation
 from experiments import profile as profile_module
+from experiments.decode import warm_pairs
 from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile
 from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
@@ -135,3 +137,37 @@ def test_weight_products_of_the_decode_steps_alone_set_the_split_and_the_measure
     assert recorded == [True, True, False], "shapes in the preparing pair only"
     assert classes["weights: attention projections"] > classes.get("weights: MLP", 0.0) == 0.0
     assert "attention" not in classes, "a product profiled without shapes still goes to its weights' kinds"
+
+
+def test_a_profile_is_set_beside_the_decode_cell_of_its_own_sweep_and_settings_only():
+    def record(experiment: str, sweep: str, mode: str = "eager", **measurements) -> dict:
+        config = {"experiment": {"name": experiment}, "engine": {"name": "rust", "mode": mode},
+                  "model": {"name": "e2b-synthetic"}, "context": 256, "max_new_tokens": 16}  # fmt: skip
+        return {"status": "ok", "sweep": sweep, "config": config, "model": {"synthetic": True}, "environment": {},
+                "hardware": {}, "measurements": measurements,
+                "outputs": {"classes": [{"class": "weights: MLP", "ms_per_token": 1.0, "share": 0.5}]}}  # fmt: skip
+
+    profiled = {"step_ms": {"value": 300.0}, "profiled_operators_ms": {"value": 240.0}}
+    table = profile_table({
+        "a/decode.json": record("decode", "a", decode_tok_s={"median": 4.0, "min": 2.0, "max": 5.0}),
+        "b/decode.json": record("decode", "b", decode_tok_s={"median": 8.0, "min": 8.0, "max": 8.0}),
+        "a/profile.json": record("profile", "a", **profiled),
+        "a/profile-fuse.json": record("profile", "a", mode="fuse", **profiled),
+    }).set_index("file")  # fmt: skip
+    paired = table.loc["a/profile.json"]
+    assert paired.decode_file == "a/decode.json", "its own sweep's decode cell, never another sweep's"
+    assert (paired.decode_step_ms, paired.decode_step_min_ms, paired.decode_step_max_ms) == (250.0, 200.0, 500.0)
+    assert paired.operators_ms == 240.0
+    assert table.loc["a/profile-fuse.json"].isna().decode_file, "another mode's decode cell is no pair"
+
+
+def test_each_unprofiled_pair_is_followed_by_its_profiled_pair():
+    order: list[str] = []
+
+    def timed_pair(ids: list[int], n: int) -> tuple[float, Generation, float]:
+        order.append("unprofiled")
+        return 1.0, SimpleNamespace(tokens=[7] * n), 2.0
+
+    cell = SimpleNamespace(cfg=SimpleNamespace(repeats=3, max_new_tokens=4), timed_pair=timed_pair)
+    pairs = warm_pairs(cell, [1], [7] * 4, after=lambda: order.append("profiled"))
+    assert order == ["unprofiled", "profiled"] * 3 and pairs.warm_n == [2.0] * 3
