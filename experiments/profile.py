@@ -149,7 +149,7 @@ def attribute(events: Any, share: Callable[[Any], dict[str, float]]) -> dict[str
 class TorchProfile:
     """One torch engine's calls under ``torch.profiler``, operators attributed by class (module docstring).
 
-    Input shapes, which tell one weight product from another, are recorded in ``prepare``'s call only: recording
+    Input shapes, which tell one weight product from another, are recorded in ``prepare``'s pair only: recording
     them costs about a microsecond per operator, inside its caller's self time (``F.linear`` of one bf16 row,
     11 operators: 7.1 us a call unprofiled, 10.4 us of self time profiled, 22.3 us with shapes), which the
     measured calls would charge to the classes, most to an engine of many small ATen calls (``rust``)."""
