@@ -155,12 +155,15 @@ def test_a_profile_is_set_beside_the_decode_cell_of_its_own_sweep_and_settings_o
         "b/decode.json": record("decode", "b", decode_tok_s={"median": 8.0, "min": 8.0, "max": 8.0}),
         "a/profile.json": record("profile", "a", **profiled),
         "a/profile-fuse.json": record("profile", "a", mode="fuse", **profiled),
+        "c/decode.json": record("decode", "c"),  # ok, but every pair broke the method: no rate
+        "c/profile.json": record("profile", "c", **profiled),
     }).set_index("file")  # fmt: skip
     paired = table.loc["a/profile.json"]
     assert paired.decode_file == "a/decode.json", "its own sweep's decode cell, never another sweep's"
     assert (paired.decode_step_ms, paired.decode_step_min_ms, paired.decode_step_max_ms) == (250.0, 200.0, 500.0)
     assert paired.operators_ms == 240.0
     assert table.loc["a/profile-fuse.json"].isna().decode_file, "another mode's decode cell is no pair"
+    assert table.loc["c/profile.json"].isna().decode_file, "a decode cell without a rate has no step to set beside"
 
 
 def test_each_unprofiled_pair_is_followed_by_its_profiled_pair():

@@ -23,11 +23,14 @@ def _method(data: dict[str, Any]) -> str:
 
 def decode_steps(records: dict[str, dict[str, Any]]) -> dict[str, tuple[str, float, float, float]]:
     """Ok ``decode`` cells by ``_method``: (file, median step ms, fastest and slowest pair's step ms), the step
-    being 1000 / ``decode_tok_s`` (the same warm pairs a profile cell's unprofiled step comes from)."""
+    being 1000 / ``decode_tok_s`` (the same warm pairs a profile cell's unprofiled step comes from). A cell all
+    of whose pairs broke the method has no rate (its check says so) and no step here."""
     steps = {}
     for file, data in sorted(records.items()):
         if data["status"] == "ok" and data["config"]["experiment"]["name"] == "decode":
-            rate = data["measurements"]["decode_tok_s"]
+            rate = data["measurements"].get("decode_tok_s")
+            if rate is None:
+                continue
             steps[_method(data)] = (file, 1e3 / rate["median"], 1e3 / rate["max"], 1e3 / rate["min"])
     return steps
 
