@@ -13,7 +13,7 @@ import torch
 from engines.base import Generation
 from experiments import profile as profile_module
 from experiments.decode import warm_pairs
-from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile
+from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile, account
 from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
 from reports.tables.profile import profile_table
@@ -34,6 +34,9 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
                 "jax": ("max_new_tokens=32",)}[engine]  # fmt: skip
     record = run_cell(cell_cfg(f"engine={engine}", *settings, "experiment=profile", "repeats=2"))
     assert record["status"] == "ok", record["reason"]
+    own_calls = next(c for c in record["outputs"]["checks"] if c["rule"].endswith("of the profiled calls' own step"))
+    assert own_calls["holds"], own_calls["detail"]  # self times cannot outrun the wall time of their own calls
+    assert record["measurements"]["profiled_step_ms"]["n"] == 2
     classes = {c["class"]: c for c in record["outputs"]["classes"]}
     assert list(classes) == list(CLASSES)
     step = record["measurements"]["step_ms"]["value"]
@@ -176,3 +179,20 @@ def test_each_unprofiled_pair_is_followed_by_its_profiled_pair():
     cell = SimpleNamespace(cfg=SimpleNamespace(repeats=3, max_new_tokens=4), timed_pair=timed_pair)
     pairs = warm_pairs(cell, [1], [7] * 4, after=lambda: order.append("profiled"))
     assert order == ["unprofiled", "profiled"] * 3 and pairs.warm_n == [2.0] * 3
+
+
+def test_the_operators_answer_to_their_own_calls_and_to_the_unprofiled_step_beyond_its_noise():
+    # seconds a token per pair: on e2b-synthetic (AMD) the ring's 256-row prompt piece took ~50 s, so one pair's
+    # step moved between 0.26 and 0.50 s while the profiled operators stayed within 2% of their own calls' step
+    ops, own_calls, noisy = [0.503, 0.517, 0.430], [0.508, 0.526, 0.437], [0.504, 0.381, 0.264]
+    own, beside, (calls, step) = account(ops, own_calls, noisy)
+    assert calls["holds"] and own.value == pytest.approx(0.503 / 0.508)
+    assert step["holds"], "1.32x the median unprofiled step, but within the pairs' noise: not a measured excess"
+    assert beside.value == pytest.approx(0.503 / 0.381) and beside.low <= 1.05
+    _, _, (calls, step) = account([0.30, 0.31, 0.32], [0.25, 0.26, 0.27], [0.20, 0.201, 0.202])
+    assert not calls["holds"] and "operators / profiled step 1.192" in calls["detail"]
+    assert not step["holds"], "every pair's operators 1.5x a steady step: a measured excess fails"
+    _, _, (_, step) = account([0.30], [0.31], [0.20])
+    assert not step["holds"] and "no interval" in step["detail"], "one pair: the ratio itself is held to 5%"
+    _, _, (calls, _) = account([0.01, 0.01], [-0.02, -0.01], [0.2, 0.2])
+    assert not calls["holds"], "a profiled step at or under zero (noise) holds nothing"

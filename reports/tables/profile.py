@@ -11,7 +11,7 @@ from reports.tables.cells import engine_settings
 
 PROFILE_COLUMNS = ["file", "engine", "settings", "model", "synthetic", "device", "context", "step_ms", "bandwidth_gb_s",
                    "class", "ms_per_token", "share", "bytes_per_token", "gb_s", "floor_ms", "gap_ms",
-                   "trace", "operators_ms", "decode_file", "decode_step_ms", "decode_step_min_ms",
+                   "trace", "operators_ms", "profiled_step_ms", "decode_file", "decode_step_ms", "decode_step_min_ms",
                    "decode_step_max_ms"]  # fmt: skip
 
 
@@ -59,6 +59,7 @@ def profile_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "bandwidth_gb_s": bandwidth,
             "trace": data["outputs"].get("trace"),
             "operators_ms": data["measurements"]["profiled_operators_ms"]["value"],
+            "profiled_step_ms": (data["measurements"].get("profiled_step_ms") or {}).get("median"),
         }
         steps = decode.get(_method(data))
         if steps:
