@@ -231,8 +231,8 @@ def account(
     return own, beside, [
         {"rule": f"profiled operators within {OPERATOR_SLACK:.0%} of the profiled calls' own step",
          "holds": profiled_step > 0 and own.value <= limit, "detail": f"operators / profiled step "
-         f"{interval_text(own)} (operators {ops * 1e3:.3f} ms, profiled step {profiled_step * 1e3:.3f} ms "
-         "a token)"},
+         f"{interval_text(own)} (the pairs' operator sums {ops * 1e3:.3f} ms, profiled step "
+         f"{profiled_step * 1e3:.3f} ms a token, medians)"},
         {"rule": f"profiled operators within {OPERATOR_SLACK:.0%} of the unprofiled step, beyond the pairs' noise",
          "holds": (beside.low if beside.known else beside.value) <= limit, "detail": f"operators / unprofiled step "
          f"{interval_text(beside)} (step {step * 1e3:.3f} ms a token; fails when the whole 95% interval, or "

@@ -69,6 +69,8 @@ def test_a_profile_names_every_class_with_the_bytes_it_reads(cell_cfg, tiny, cac
     out = render.build(tmp_path / "runs", REPO / "evidence" / "published", tmp_path / "r" / "R.md", tmp_path / "a.txt")
     text = out.report.read_text()
     assert "## Where each millisecond of a decode step goes" in text and "| weights: MLP |" in text
+    ratio = record["measurements"]["operators_over_profiled_step"]["value"]
+    assert f"operators / profiled step {ratio:.3f}x" in text, "the report prints the check's own ratio"
     assert (tmp_path / "r" / "profile.png").is_file() and "![where each millisecond goes](profile.png)" in text
 
 

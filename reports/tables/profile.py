@@ -11,8 +11,8 @@ from reports.tables.cells import engine_settings
 
 PROFILE_COLUMNS = ["file", "engine", "settings", "model", "synthetic", "device", "context", "step_ms", "bandwidth_gb_s",
                    "class", "ms_per_token", "share", "bytes_per_token", "gb_s", "floor_ms", "gap_ms",
-                   "trace", "operators_ms", "profiled_step_ms", "decode_file", "decode_step_ms", "decode_step_min_ms",
-                   "decode_step_max_ms"]  # fmt: skip
+                   "trace", "operators_ms", "profiled_step_ms", "operators_over_profiled_step", "decode_file",
+                   "decode_step_ms", "decode_step_min_ms", "decode_step_max_ms"]  # fmt: skip
 
 
 def _method(data: dict[str, Any]) -> str:
@@ -46,6 +46,7 @@ def profile_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
     for file, data in sorted(records.items()):
         if data["status"] != "ok" or data["config"]["experiment"]["name"] != "profile":
             continue
+        measured = data["measurements"]
         bandwidth = (data.get("hardware") or {}).get("bandwidth_measurement", {}).get("value")
         common = {
             "file": file,
@@ -59,7 +60,8 @@ def profile_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "bandwidth_gb_s": bandwidth,
             "trace": data["outputs"].get("trace"),
             "operators_ms": data["measurements"]["profiled_operators_ms"]["value"],
-            "profiled_step_ms": (data["measurements"].get("profiled_step_ms") or {}).get("median"),
+            "profiled_step_ms": (measured.get("profiled_step_ms") or {}).get("median"),
+            "operators_over_profiled_step": (measured.get("operators_over_profiled_step") or {}).get("value"),
         }
         steps = decode.get(_method(data))
         if steps:
