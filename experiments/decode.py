@@ -61,6 +61,11 @@ class Pairs:
     def rates(self) -> list[float]:
         return [(self.n - 1) / (tn - t1) for t1, tn in zip(self.warm_1, self.warm_n, strict=True) if tn > t1]
 
+    @property
+    def steps(self) -> list[float]:
+        """Every pair's (T_N - T_1)/(N-1), seconds a token, in pair order: at or under 0 where it broke the method."""
+        return [(tn - t1) / (self.n - 1) for t1, tn in zip(self.warm_1, self.warm_n, strict=True)]
+
     def check(self) -> dict[str, Any]:
         """The rule T_N > T_1 over every pair, with the times of any pair that breaks it."""
         broken = [(t1, tn) for t1, tn in zip(self.warm_1, self.warm_n, strict=True) if tn <= t1]
