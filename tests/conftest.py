@@ -44,6 +44,12 @@ def opened(*overrides: str) -> OpenEngine:
     return open_engine(run, resolve_device("cpu", engine_class(run.engine.name).framework))
 
 
+def held_pairs(warm_1_s: list[float], warm_n_s: list[float]) -> int:
+    """How many timed pairs kept the decode method's rule T_N > T_1 (seconds), so gave a rate. On a loaded
+    machine a short pair can break it; a test of a cell's arithmetic counts on the pairs, not on the timing."""
+    return sum(t_n > t_1 for t_1, t_n in zip(warm_1_s, warm_n_s, strict=True))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
