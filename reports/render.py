@@ -106,6 +106,7 @@ def environment() -> Environment:
     )
     env.filters.update(gb=gb, num=num, sci=sci, whole=whole, fmt=arithmetic.fmt, span=published_data.span,
                        ci=uncertainty.shown)
+    env.tests["missing"] = missing  # `x is missing`: None, or a pandas column's NaN
     return env
 
 
