@@ -30,6 +30,7 @@ from decodebench.checkpoint import PackedTable, load_reference
 from decodebench.config import ConfigError
 from engines.generate import static_cache_bytes
 from engines.int4 import Weights
+from engines.one_row import OneRow
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
@@ -78,6 +79,12 @@ class CompiledEngineConfig(SteppingEngineConfig):
     keeps_table_4bit: ClassVar[bool] = False  # table4 keeps the per-layer table packed
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.remove_wrappers and self.one_row == OneRow.mv:
+            raise ConfigError(
+                "engine.one_row=mv has no effect with engine.remove_wrappers=false: compressed-tensors' wrapped "
+                "modules keep their own forward (the article's Transformers path); leave engine.one_row=auto"
+            )
         if not self.remove_wrappers and (self.keeps_table_4bit or self.weights == Weights.int4):
             raise ConfigError(
                 "engine.remove_wrappers=false loads through Transformers' compressed-tensors path, which unpacks "

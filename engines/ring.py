@@ -89,6 +89,7 @@ class RingEngineConfig(SteppingEngineConfig):
     per_layer_table: Tables = Tables.int4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
 
 

@@ -18,17 +18,22 @@ from decodebench.checkpoint import load_model
 from decodebench.config import EngineConfig, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import full_slots, kv_sources, ring_slots
+from engines import one_row
 from engines.base import Engine, Generation, OnTokens
+from engines.one_row import OneRow
 
 
 @dataclass
 class RustEngineConfig(EngineConfig):
     """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces. ``mode=fuse``
     runs every call under TorchTPU's defer-and-fuse (the Rust article's ``SERVE_DEFER_AND_FUSE=1``: a
-    compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only)."""
+    compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
+    which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is ``at::mv`` on a CPU,
+    ``at::linear`` elsewhere)."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
+    one_row: OneRow = OneRow.auto
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
@@ -101,6 +106,8 @@ class RustEngine(Engine):
         for layer_type in ("sliding_attention", "full_attention"):
             weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
+        self.one_row = one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind)
+        config["one_row_mv"] = self.one_row == OneRow.mv
         self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
         self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
         self.build = dict(decodebench_rs.BUILD)
@@ -142,4 +149,5 @@ class RustEngine(Engine):
     def describe(self) -> dict[str, Any]:
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
         return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
-                "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0"}  # fmt: skip
+                "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
+                "one_row": str(self.one_row)}  # fmt: skip

@@ -20,11 +20,17 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import int4
+from engines import int4, one_row
 from engines.int4 import Weights
+from engines.one_row import OneRow
 from engines.steps import SteppedEngine
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# TorchInductor's options before ``engine.inductor``'s: a fused kernel rounds each bf16 / fp16 intermediate as
+# eager PyTorch does (Transformers' reference runs eager), instead of keeping it in float32 across the fusion.
+# Without it the compiled step's bf16 logits part from Transformers' by more than the bf16 parity bound on
+# e2b-synthetic (KL mean 1.38e-3 against 1e-3); with it 1.80e-4, as close as generate's own loop (1.89e-4).
+INDUCTOR_DEFAULTS = {"emulate_precision_casts": True}
 
 
 def compile_backend(requested: str, device: Device) -> str | None:
@@ -55,14 +61,23 @@ class SteppingEngineConfig(EngineConfig):
 
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
     ``inductor``: options for TorchInductor's compile (``torch.compile(options=...)``, e.g.
-    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels); refused with any other
+    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels), over ``INDUCTOR_DEFAULTS``
+    (``+engine.inductor.emulate_precision_casts=false`` turns eager's rounding off); refused with any other
     backend, and an option TorchInductor does not know is refused by it when the step compiles.
+    ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is ``mv`` on
+    a CPU); refused as ``mv`` where no linear is dense (``engine.weights=int4``).
     """
 
     backend: str = "auto"
     fullgraph: bool = False
     weights: Weights = Weights.dense
     inductor: dict[str, Any] = field(default_factory=dict)
+    one_row: OneRow = OneRow.auto
+
+    def __post_init__(self) -> None:
+        if self.one_row == OneRow.mv and self.weights == Weights.int4:
+            raise ConfigError("engine.one_row=mv has no effect with engine.weights=int4: every linear is held 4-bit "
+                              "(Int4Linear), none is dense")  # fmt: skip
 
 
 class SteppingEngine(SteppedEngine):
@@ -107,6 +122,9 @@ class SteppingEngine(SteppedEngine):
         if self.int4 and "lm_head" not in linears and self.model.config.tie_word_embeddings:
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
+        self.row_linears = 0
+        if one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind) == OneRow.mv:
+            self.row_linears = one_row.swap_dense_linears(self.model)
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 
@@ -122,9 +140,15 @@ class SteppingEngine(SteppedEngine):
         if self.backend == "none":
             return fn
         dynamic = None if self.dynamic_shapes() else False
-        options = dict(self.ctx.engine_cfg.inductor) or None
         return torch.compile(fn, backend=self.backend, dynamic=dynamic, fullgraph=self.ctx.engine_cfg.fullgraph,
-                             options=options)  # fmt: skip
+                             options=self.inductor_options() or None)  # fmt: skip
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The options TorchInductor compiles with: ``INDUCTOR_DEFAULTS`` under ``engine.inductor``; none for
+        another backend."""
+        if self.backend != "inductor":
+            return {}
+        return {**INDUCTOR_DEFAULTS, **self.ctx.engine_cfg.inductor}
 
     def dynamic_shapes(self) -> bool:
         """Whether a compiled program may take a dimension that changes from call to call (one program for
@@ -180,7 +204,9 @@ class SteppingEngine(SteppedEngine):
             weights[f"{path.rpartition('.')[2]}_dense_bytes"] = rows * cols * self.ctx.dtype.itemsize
         return {
             "backend": self.backend,
-            "inductor": dict(self.ctx.engine_cfg.inductor),
+            "inductor": self.inductor_options(),
+            "one_row": str(OneRow.mv if self.row_linears else OneRow.linear),
+            "one_row_mv_linears": self.row_linears,
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -1,4 +1,5 @@
-"""``make bench-int4``: every E2B linear shape at batch 1, dense bf16 against int4, timed by pytest-benchmark.
+"""``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, and ``torch.mv``: what
+``engine.one_row=mv`` calls on one row) against int4, timed by pytest-benchmark.
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
@@ -30,6 +31,7 @@ def e2b_linear_shapes() -> list[tuple[int, int]]:
 
 
 SHAPES = e2b_linear_shapes()
+KERNELS = {"dense": "F.linear", "dense-mv": "torch.mv"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def device():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("weights", ["dense", "int4"])
+@pytest.mark.parametrize("weights", ["dense", "dense-mv", "int4"])
 def test_linear(benchmark, device, shape, weights):
     reason = int4.unsupported(device.kind, torch.bfloat16)
     if weights == "int4" and reason:
@@ -49,12 +51,15 @@ def test_linear(benchmark, device, shape, weights):
     layer = int4.Int4Linear(packed, torch.bfloat16, device.torch_device) if weights == "int4" else None
 
     def call() -> torch.Tensor:
-        y = layer(x) if layer is not None else F.linear(x, w)
+        if layer is not None:
+            y = layer(x)
+        else:
+            y = torch.mv(w, x.view(-1)).view(1, -1) if weights == "dense-mv" else F.linear(x, w)
         device.sync()
         return y
 
     held = sum(t.nbytes for t in layer.buffers()) if layer is not None else w.nbytes
-    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else "F.linear",
+    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else KERNELS[weights],
                                 bytes=held, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))

@@ -121,6 +121,8 @@ def test_unsendable(engine):
     ("name", "tensors", "scalars", "expected"),
     [
         ("linear", [torch.randn(3, 8), torch.randn(5, 8)], [], lambda a, b: torch.nn.functional.linear(a, b)),
+        ("linear_mv", [torch.randn(1, 1, 8), torch.randn(5, 8)], [], lambda a, b: torch.mv(b, a[0, 0]).view(1, 1, 5)),
+        ("linear_mv", [torch.randn(3, 8), torch.randn(5, 8)], [], lambda a, b: torch.nn.functional.linear(a, b)),
         ("gelu_tanh", [torch.randn(4, 6)], [], lambda a: torch.nn.functional.gelu(a, approximate="tanh")),
         ("div_scalar", [torch.randn(4)], [30.0], lambda a: a / 30.0),
         ("pow_scalar", [torch.rand(4) + 0.1], [-0.5], lambda a: torch.pow(a, -0.5)),

@@ -50,7 +50,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=columns)
     dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
-        dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights == "int4" else None
+        dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights != "dense" else None
         for _, r in table.iterrows()
     ]
     table["x_dense_shown"] = [_x_dense(r, dense) for _, r in table.iterrows()]
@@ -58,8 +58,9 @@ def bench_table(folder: Path) -> pd.DataFrame:
 
 
 def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
-    """The dense median over the int4 one: with its interval from both benchmarks' rounds where both kept them."""
-    if row.weights != "int4" or (row.file, row.linear) not in dense.index:
+    """The dense (``F.linear``) median over this row's (int4, or ``torch.mv``): with its interval from both
+    benchmarks' rounds where both kept them."""
+    if row.weights == "dense" or (row.file, row.linear) not in dense.index:
         return "–"
     peer = dense.loc[(row.file, row.linear)]
     if row.data and peer.data:

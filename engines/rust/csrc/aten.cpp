@@ -58,7 +58,18 @@ T db_from_python(PyObject* o) {
 PyObject* db_to_python(T t) { return THPVariable_Wrap(*t); }
 
 // Arithmetic
-T db_linear(T x, T w) { return guarded([&] { return at::linear(*x, *w); }); }
+// one_row_mv: a single row (a decode step) goes through at::mv, ATen's matrix-vector kernel, instead of
+// at::linear (oneDNN's matrix product on a CPU): the same products, the weights read faster (engines/one_row.py).
+T db_linear(T x, T w, int one_row_mv) {
+  return guarded([&] {
+    if (one_row_mv && x->numel() == x->size(-1)) {
+      auto sizes = x->sizes().vec();
+      sizes.back() = w->size(0);
+      return at::mv(*w, x->reshape({-1})).view(sizes);
+    }
+    return at::linear(*x, *w);
+  });
+}
 T db_add(T a, T b) { return guarded([&] { return at::add(*a, *b); }); }
 T db_sub(T a, T b) { return guarded([&] { return at::sub(*a, *b); }); }
 T db_mul(T a, T b) { return guarded([&] { return at::mul(*a, *b); }); }

@@ -10,7 +10,7 @@ extern "C" {
     fn db_free(t: Raw);
     pub fn db_from_python(o: *mut pyo3::ffi::PyObject) -> Raw;
     pub fn db_to_python(t: Raw) -> *mut pyo3::ffi::PyObject;
-    fn db_linear(x: Raw, w: Raw) -> Raw;
+    fn db_linear(x: Raw, w: Raw, one_row_mv: c_int) -> Raw;
     fn db_add(a: Raw, b: Raw) -> Raw;
     fn db_sub(a: Raw, b: Raw) -> Raw;
     fn db_mul(a: Raw, b: Raw) -> Raw;
@@ -107,7 +107,10 @@ impl Tensor {
     pub unsafe fn from_raw(p: Raw) -> Result<Tensor> {
         wrap(p)
     }
-    pub fn linear(&self, w: &Tensor) -> Result<Tensor> { wrap(unsafe { db_linear(self.0, w.0) }) }
+    /// `x @ w.T`; with `one_row_mv`, a single row through ATen's matrix-vector kernel.
+    pub fn linear(&self, w: &Tensor, one_row_mv: bool) -> Result<Tensor> {
+        wrap(unsafe { db_linear(self.0, w.0, one_row_mv as c_int) })
+    }
     pub fn add(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_add(self.0, b.0) }) }
     pub fn sub(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_sub(self.0, b.0) }) }
     pub fn mul(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_mul(self.0, b.0) }) }

@@ -59,6 +59,7 @@ fn config(d: &PyDict) -> PyResult<Config> {
         ple_input_scale: get(d, "ple_input_scale")?,
         rope_scaling_sliding: get(d, "rope_scaling_sliding")?,
         rope_scaling_full: get(d, "rope_scaling_full")?,
+        one_row_mv: get(d, "one_row_mv")?,
     })
 }
 
@@ -188,7 +189,8 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
     let t: Vec<Tensor> = tensors.into_iter().map(tensor).collect::<PyResult<_>>()?;
     let s = |i: usize| scalars.get(i).copied().ok_or_else(|| PyValueError::new_err(format!("{name}: scalar {i} missing")));
     let out = match name {
-        "linear" => t[0].linear(&t[1]),
+        "linear" => t[0].linear(&t[1], false),
+        "linear_mv" => t[0].linear(&t[1], true),
         "mul" => t[0].mul(&t[1]),
         "add" => t[0].add(&t[1]),
         "div_scalar" => t[0].div_scalar(s(0)?),

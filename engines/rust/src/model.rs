@@ -35,6 +35,8 @@ pub struct Config {
     pub ple_input_scale: f64,
     pub rope_scaling_sliding: f64,
     pub rope_scaling_full: f64,
+    /// A single row (a decode step) through ATen's matrix-vector kernel (engine.one_row=mv).
+    pub one_row_mv: bool,
 }
 
 struct Layer {
@@ -250,10 +252,11 @@ impl Model {
         let seq = x.size(1);
         let kind = if spec.sliding { 1 } else { 0 };
         let shape = [1, seq, -1, spec.head_dim];
-        let q = self.rope(&self.rms(&x.linear(&layer.q_proj)?.reshape(&shape)?, Some(&layer.q_norm))?, &step.cos_sin[kind])?;
+        let mv = self.cfg.one_row_mv;
+        let q = self.rope(&self.rms(&x.linear(&layer.q_proj, mv)?.reshape(&shape)?, Some(&layer.q_norm))?, &step.cos_sin[kind])?;
         if let Some((k_proj, v_proj, k_norm)) = &layer.kv {
-            let k = self.rope(&self.rms(&x.linear(k_proj)?.reshape(&shape)?, Some(k_norm))?, &step.cos_sin[kind])?;
-            let v = self.rms(&x.linear(v_proj)?.reshape(&shape)?, None)?;
+            let k = self.rope(&self.rms(&x.linear(k_proj, mv)?.reshape(&shape)?, Some(k_norm))?, &step.cos_sin[kind])?;
+            let v = self.rms(&x.linear(v_proj, mv)?.reshape(&shape)?, None)?;
             let slots = if spec.sliding { &step.ring_slot } else { &step.positions };
             self.ring.k[&i].index_copy_(2, slots, &k.transpose(1, 2)?)?;
             self.ring.v[&i].index_copy_(2, slots, &v.transpose(1, 2)?)?;
@@ -271,16 +274,17 @@ impl Model {
         } else {
             Tensor::sdpa(&q.transpose(1, 2)?, k, v, &step.masks[kind], 1.0)?
         };
-        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj)
+        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj, mv)
     }
 
     /// One forward over `ids` at `positions` (padding rows have `valid` false); logits [1, V] of `row`.
     fn forward(&mut self, ids: &Tensor, positions: Tensor, valid: &Tensor, row: i64) -> Result<Tensor> {
         let seq = ids.numel();
         let (hidden, ple_dim, layers) = (self.cfg.hidden, self.cfg.ple_dim, self.cfg.layers.len() as i64);
+        let mv = self.cfg.one_row_mv;
         let mut h = self.embed.index_select(0, ids)?.reshape(&[1, seq, hidden])?.mul_scalar(self.cfg.embed_scale)?;
         let tok = self.ple_table.index_select(0, ids)?.mul_scalar(self.cfg.ple_embed_scale)?.reshape(&[1, seq, layers, ple_dim])?;
-        let ctx = h.linear(&self.ple_model_projection)?.mul_scalar(self.cfg.ple_projection_scale)?.reshape(&[1, seq, layers, ple_dim])?;
+        let ctx = h.linear(&self.ple_model_projection, mv)?.mul_scalar(self.cfg.ple_projection_scale)?.reshape(&[1, seq, layers, ple_dim])?;
         let ple = self.rms(&ctx, Some(&self.ple_projection_norm))?.add(&tok)?.mul_scalar(self.cfg.ple_input_scale)?;
         let step = self.begin(positions, valid, &h)?;
         for i in 0..self.layers.len() {
@@ -288,13 +292,13 @@ impl Model {
             let attn = self.attention(i, &self.rms(&h, Some(&layer.input_norm))?, &step)?;
             h = h.add(&self.rms(&attn, Some(&layer.post_attention_norm))?)?;
             let x = self.rms(&h, Some(&layer.pre_ff_norm))?;
-            let mlp = x.linear(&layer.gate)?.gelu_tanh()?.mul(&x.linear(&layer.up)?)?.linear(&layer.down)?;
+            let mlp = x.linear(&layer.gate, mv)?.gelu_tanh()?.mul(&x.linear(&layer.up, mv)?)?.linear(&layer.down, mv)?;
             h = h.add(&self.rms(&mlp, Some(&layer.post_ff_norm))?)?;
-            let g = h.linear(&layer.ple_gate)?.gelu_tanh()?.mul(&ple.select(2, i as i64)?)?.linear(&layer.ple_projection)?;
+            let g = h.linear(&layer.ple_gate, mv)?.gelu_tanh()?.mul(&ple.select(2, i as i64)?)?.linear(&layer.ple_projection, mv)?;
             h = h.add(&self.rms(&g, Some(&layer.post_ple_norm))?)?.mul(&layer.scalar)?;
         }
         let last = self.rms(&h.narrow(1, row, 1)?, Some(&self.final_norm))?;
-        let logits = last.linear(&self.lm_head)?.reshape(&[1, -1])?;
+        let logits = last.linear(&self.lm_head, mv)?.reshape(&[1, -1])?;
         match self.cfg.softcap {
             Some(cap) => logits.div_scalar(cap)?.tanh()?.mul_scalar(cap),
             None => Ok(logits),

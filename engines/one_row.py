@@ -1,0 +1,59 @@
+"""How a dense linear computes one row (a decode step's token): ``engine.one_row``.
+
+A decode step multiplies one activation row by every weight, so its speed is the rate at which the
+weights are read. On a CPU, ``F.linear`` of one bf16 row goes through oneDNN's matrix product, while
+``torch.mv`` of the same weight and row goes through ATen's matrix-vector kernel: the same products,
+accumulated in float32, bit-identical on E2B's shapes (``tests/test_one_row.py``), and on a 2-core
+Xeon (AMX) the weights read at 22-26 GB/s against 13-20 GB/s (``make bench-int4``'s shapes). A
+prompt piece (more than one row) keeps ``F.linear``.
+
+* ``linear``: ``F.linear`` for every row count (Transformers' own modules, unchanged);
+* ``mv``: one row through ``torch.mv``;
+* ``auto``: ``mv`` on a CPU, ``linear`` elsewhere (a GPU's BLAS and XLA already treat one row as a
+  matrix-vector product).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class OneRow(StrEnum):
+    """Which kernel a dense linear calls on one row."""
+
+    auto = "auto"
+    linear = "linear"
+    mv = "mv"
+
+
+def resolve(requested: OneRow, device_kind: str) -> OneRow:
+    """``auto`` -> ``mv`` on a CPU, ``linear`` elsewhere; an explicit choice stands."""
+    if requested == OneRow.auto:
+        return OneRow.mv if device_kind == "cpu" else OneRow.linear
+    return requested
+
+
+class RowLinear(nn.Linear):
+    """``nn.Linear`` whose one-row call is ``torch.mv`` (its weight, bias and state dict unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.mv(self.weight, x.reshape(-1))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def swap_dense_linears(model: nn.Module) -> int:
+    """Makes every plain ``nn.Linear`` of ``model`` a ``RowLinear`` in place (no weight is copied); returns
+    how many. Modules of other classes (``Int4Linear``) and linears whose forward a wrapper replaced
+    (compressed-tensors' dispatch, hooks) are left as they are."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+    for module in linears:
+        module.__class__ = RowLinear
+    return len(linears)

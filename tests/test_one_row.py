@@ -1,0 +1,79 @@
+"""``engine.one_row``: a dense linear's one-row call through ``torch.mv`` gives ``F.linear``'s values, the
+stepping engines take it by default on a CPU and write the same tokens, and a setting it cannot take is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.one_row import OneRow, RowLinear, resolve, swap_dense_linears
+from runner import run_cell
+
+NOT_COMPILED = ("engine.backend=none",)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(2048, 1536), (1536, 6144), (4096, 256)])
+def test_one_row_through_mv_equals_f_linear(out_features, in_features):
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
+    layer = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    layer.weight.data = weight
+    swap_dense_linears(layer)
+    assert type(layer) is RowLinear
+    row = torch.randn(1, 1, in_features, dtype=torch.bfloat16)
+    got, want = layer(row), F.linear(row, weight)
+    assert got.shape == want.shape == (1, 1, out_features)
+    exact = torch.float64
+    truth = row.to(exact).view(-1) @ weight.to(exact).t()
+    # Both round one float32 sum to bf16: each is within a bf16 half-ulp of the float64 truth, plus the float32
+    # accumulation's own error; they may differ where the two kernels sum in another order.
+    ulp = torch.finfo(torch.bfloat16).eps * truth.abs().clamp_min(1e-3)
+    assert ((got.view(-1).to(exact) - truth).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.99, "two float32 sums of the same products round alike almost always"
+    rows = torch.randn(3, in_features, dtype=torch.bfloat16)  # more than one row: F.linear itself
+    assert torch.equal(layer(rows), F.linear(rows, weight))
+
+
+def test_swap_leaves_other_modules_and_wrapped_linears():
+    plain, wrapped, other = nn.Linear(4, 4), nn.Linear(4, 4), nn.Embedding(4, 4)
+    wrapped.forward = lambda x: x  # a wrapper's own forward (compressed-tensors' dispatch puts one there)
+    model = nn.Sequential(plain, wrapped, other)
+    assert swap_dense_linears(model) == 1
+    assert type(plain) is RowLinear and type(wrapped) is nn.Linear and type(other) is nn.Embedding
+
+
+def test_auto_is_mv_on_a_cpu_only():
+    assert resolve(OneRow.auto, "cpu") == OneRow.mv
+    assert resolve(OneRow.auto, "cuda") == resolve(OneRow.auto, "tpu") == OneRow.linear
+    assert resolve(OneRow.linear, "cpu") == OneRow.linear and resolve(OneRow.mv, "tpu") == OneRow.mv
+
+
+@pytest.mark.parametrize("engine", ["compiled", "ring"])
+def test_a_stepping_engine_writes_the_same_tokens_either_way(cell_cfg, tiny, engine):
+    records = {
+        setting: run_cell(cell_cfg(f"engine={engine}", *NOT_COMPILED, "max_new_tokens=12", "repeats=1",
+                                   f"engine.one_row={setting}"))  # fmt: skip
+        for setting in ("auto", "linear")
+    }
+    for record in records.values():
+        assert record["status"] == "ok", record["reason"]
+    auto, linear = records["auto"]["engine"], records["linear"]["engine"]
+    assert auto["one_row"] == "mv" and linear["one_row"] == "linear" and linear["one_row_mv_linears"] == 0
+    # tiny: 6 layers of q, k, v, o, gate, up, down, per-layer gate and projection, less k, v on the KV-shared
+    # layers; the per-layer model projection and lm_head
+    layers, shared = 6, 2
+    assert auto["one_row_mv_linears"] == 9 * layers - 2 * shared + 2
+    assert records["auto"]["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("engine=ring", "engine.weights=int4", "engine.one_row=mv"), "engine.one_row=mv has no effect with engine."),
+        (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=mv"), "engine.remove_wrappers=false"),
+    ],
+)
+def test_mv_where_no_linear_takes_it_is_refused(cell_cfg, overrides, message):
+    record = run_cell(cell_cfg(*overrides))
+    assert record["status"] == "failed" and message in record["reason"]
