@@ -62,8 +62,8 @@ from experiments.decode import warm_pairs
 from experiments.profile_classes import BETWEEN, CLASSES, DISPATCH, WEIGHT_KINDS
 from experiments.profile_jax import JaxProfile
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
-           "aten::_weight_int4pack_mm")  # fmt: skip
+MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv_",
+           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm")  # fmt: skip
 ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention")
 LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
 LOGITS = ("aten::argmax", "aten::tanh")
@@ -116,8 +116,11 @@ def matmul_shape(op: str, shapes: list[list[int]]) -> tuple[int, int] | None:
     if op.endswith("_weight_int4pack_mm_for_cpu") or op.endswith("_weight_int4pack_mm"):
         x, scales = shapes[0], shapes[-1]  # scales and zeros: [in / group, out, 2]
         return (x[-1], scales[1]) if len(x) >= 2 and len(scales) == 3 else None
-    if op == "aten::addmm":
+    if op in ("aten::addmm", "aten::addmv_"):
         shapes = shapes[1:]
+    if op in ("aten::mv", "aten::addmv_"):  # the weight as held, [out, in], times one row [in] (engine.one_row=mv)
+        w, x = (shapes + [[], []])[:2]
+        return (w[1], w[0]) if len(w) == 2 and x == [w[1]] else None
     if len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) != 2:
         return None
     x, w = shapes[0], shapes[1]

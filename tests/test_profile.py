@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engines.base import Generation
+from engines.one_row import swap_dense_linears
 from experiments import profile as profile_module
 from experiments.decode import warm_pairs
 from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile, account
@@ -144,6 +145,19 @@ def test_weight_products_of_the_decode_steps_alone_set_the_split_and_the_measure
     assert recorded == [True, True, False], "shapes in the preparing pair only"
     assert classes["weights: attention projections"] > classes.get("weights: MLP", 0.0) == 0.0
     assert "attention" not in classes, "a product profiled without shapes still goes to its weights' kinds"
+
+
+def test_a_one_row_product_through_mv_goes_to_its_weights_kind():
+    layer = torch.nn.Linear(64, 32, bias=False)
+    block = torch.nn.ModuleDict({"q_proj": layer})
+    assert swap_dense_linears(block) == 1  # engine.one_row=mv: one row through torch.mv (aten::mv, aten::addmv_)
+    profiler = TorchProfile(SimpleNamespace(model=block))
+    row, prompt = torch.randn(1, 64), torch.randn(8, 64)
+    profiler.prepare(lambda: layer(prompt), lambda: [layer(prompt)] + [layer(row) for _ in range(8)], None)
+    assert {"aten::mv", "aten::addmv_"} <= set(profiler.splits)
+    classes = profiler.run(lambda: [layer(row) for _ in range(8)])
+    assert classes["weights: attention projections"] > 0 and "norms and elementwise" not in classes
+    assert "attention" not in classes
 
 
 def test_a_profile_is_set_beside_the_decode_cell_of_its_own_sweep_and_settings_only():
