@@ -37,13 +37,28 @@ def resolve(requested: OneRow, device_kind: str) -> OneRow:
     return requested
 
 
+@torch.library.custom_op("decodebench::one_row_mv", mutates_args=())
+def one_row_mv(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``torch.mv`` as one opaque operator for a compiled step: TorchInductor would otherwise decompose it into
+    a product and a sum and fuse those into its own loops, which on e2b-synthetic read the weights about 3x
+    slower than ATen's kernel (a compiled decode step at 1.4 tok/s against 4.1 with ``F.linear``)."""
+    return torch.mv(weight, row)
+
+
+@one_row_mv.register_fake
+def _(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return row.new_empty(weight.shape[0])
+
+
 class RowLinear(nn.Linear):
-    """``nn.Linear`` whose one-row call is ``torch.mv`` (its weight, bias and state dict unchanged)."""
+    """``nn.Linear`` whose one-row call is ``torch.mv`` (its weight, bias and state dict unchanged); inside a
+    compiled program, the same kernel as the opaque ``one_row_mv``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
-        y = torch.mv(self.weight, x.reshape(-1))
+        mv = one_row_mv if torch.compiler.is_compiling() else torch.mv
+        y = mv(self.weight, x.reshape(-1))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -70,7 +70,8 @@ LOGITS = ("aten::argmax", "aten::tanh")
 HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "aten::empty", "aten::empty_strided",
         "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
         "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
-        "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_")  # fmt: skip
+        "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_",
+        "decodebench::one_row_mv")  # fmt: skip  # the custom operator's own dispatch; its aten::mv is a product
 Shapes = dict[tuple[int, int], dict[str, int]]  # (in, out) features -> how many linears of each weight class
 OPERATOR_SLACK = 0.05  # the profiled operators may exceed the unprofiled step by this share (timer noise)
 

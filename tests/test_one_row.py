@@ -77,3 +77,17 @@ def test_a_stepping_engine_writes_the_same_tokens_either_way(cell_cfg, tiny, eng
 def test_mv_where_no_linear_takes_it_is_refused(cell_cfg, overrides, message):
     record = run_cell(cell_cfg(*overrides))
     assert record["status"] == "failed" and message in record["reason"]
+
+
+def test_a_compiled_step_calls_atens_kernel_not_fused_loops():
+    """TorchInductor decomposes ``torch.mv`` into a product and a sum fused into its own loops (3x slower on
+    e2b-synthetic); inside a compiled program the one-row product is the opaque ``one_row_mv``, ATen's kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    swap_dense_linears(layer)
+    row = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, (code, *_) = run_and_get_code(torch.compile(lambda x: torch.relu(layer(x)), backend="inductor"), row)
+    assert "torch.ops.decodebench.one_row_mv.default(" in code
+    assert torch.equal(got.view(-1), torch.relu(torch.mv(layer.weight, row.view(-1))))
