@@ -3,9 +3,10 @@
 A decode step multiplies one activation row by every weight, so its speed is the rate at which the
 weights are read. On a CPU, ``F.linear`` of one bf16 row goes through oneDNN's matrix product, while
 ``torch.mv`` of the same weight and row goes through ATen's matrix-vector kernel: the same products,
-accumulated in float32, bit-identical on E2B's shapes (``tests/test_one_row.py``), and on a 2-core
-Xeon (AMX) the weights read at 22-26 GB/s against 13-20 GB/s (``make bench-int4``'s shapes). A
-prompt piece (more than one row) keeps ``F.linear``.
+accumulated in float32, equal outputs but for a rare last-bit rounding (``tests/test_one_row.py``), read
+faster: on a 2-core Xeon with AMX (``make bench-int4``) ``lm_head``, too large for the caches, at 26.6 GB/s
+against 21.2, and inside a decode step of e2b-synthetic (``experiment=profile``) the MLP weights at 22.9 GB/s
+against 19.8. A prompt piece (more than one row) keeps ``F.linear``.
 
 * ``linear``: ``F.linear`` for every row count (Transformers' own modules, unchanged);
 * ``mv``: one row through ``torch.mv``;

@@ -29,7 +29,7 @@ Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # TorchInductor's options before ``engine.inductor``'s: a fused kernel rounds each bf16 / fp16 intermediate as
 # eager PyTorch does (Transformers' reference runs eager), instead of keeping it in float32 across the fusion.
 # Without it the compiled step's bf16 logits part from Transformers' by more than the bf16 parity bound on
-# e2b-synthetic (KL mean 1.38e-3 against 1e-3); with it 1.80e-4, as close as generate's own loop (1.89e-4).
+# e2b-synthetic (KL mean 1.38e-3 against 1e-3); with it 1.85e-4, as close as generate's own loop (1.89e-4).
 INDUCTOR_DEFAULTS = {"emulate_precision_casts": True}
 
 
