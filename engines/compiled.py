@@ -82,8 +82,8 @@ class CompiledEngineConfig(SteppingEngineConfig):
         super().__post_init__()
         if not self.remove_wrappers and self.one_row == OneRow.mv:
             raise ConfigError(
-                "engine.one_row=mv has no effect with engine.remove_wrappers=false: compressed-tensors' wrapped "
-                "modules keep their own forward (the article's Transformers path); leave engine.one_row=auto"
+                "engine.one_row=mv has no effect with engine.remove_wrappers=false: that is the article's Transformers "
+                "path, whose linears are kept as compressed-tensors wraps them; leave engine.one_row=auto"
             )
         if not self.remove_wrappers and (self.keeps_table_4bit or self.weights == Weights.int4):
             raise ConfigError(
@@ -101,6 +101,10 @@ class CompiledEngine(SteppingEngine):
         if self.ctx.engine_cfg.remove_wrappers:
             return super().load_weights(keep)
         return load_reference(self.checkpoint, self.ctx.dtype, self.ctx.device.torch_device), {}
+
+    def takes_one_row(self) -> bool:
+        """Not with ``remove_wrappers=false``: the article's Transformers path keeps its own linears."""
+        return self.ctx.engine_cfg.remove_wrappers
 
     def build(self) -> None:
         self.wrapped_before = dispatch_wrapped(self.model)

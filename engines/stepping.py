@@ -123,7 +123,7 @@ class SteppingEngine(SteppedEngine):
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.row_linears = 0
-        if one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind) == OneRow.mv:
+        if self.takes_one_row() and one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind) == OneRow.mv:
             self.row_linears = one_row.swap_dense_linears(self.model)
         self.build()
         self.compiled_step: Step = self.compile(self.step)
@@ -154,6 +154,10 @@ class SteppingEngine(SteppedEngine):
         """Whether a compiled program may take a dimension that changes from call to call (one program for
         every length) instead of one program per shape."""
         return False
+
+    def takes_one_row(self) -> bool:
+        """Whether ``engine.one_row`` may change this engine's linears (not on a path kept as Transformers has it)."""
+        return True
 
     def build(self) -> None:
         """Engine-specific set-up after the weights are on the device (caches, module swaps)."""

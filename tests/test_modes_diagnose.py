@@ -128,6 +128,9 @@ def test_compiled_with_the_wrappers_on_counts_graphs_and_breaks(cells):
     assert on["engine"]["wrapped_modules_at_end"] > 0
     assert off["engine"]["graphs"] == 1 and off["engine"]["graph_breaks"] == 0
     assert on["outputs"]["generated_ids"] == off["outputs"]["generated_ids"]
+    # engine.one_row=auto leaves the article's Transformers path as it is, and takes the decodebench-loaded one
+    assert (on["engine"]["one_row"], on["engine"]["one_row_mv_linears"]) == ("linear", 0)
+    assert off["engine"]["one_row"] == "mv" and off["engine"]["one_row_mv_linears"] > 0
 
 
 def test_wrappers_on_cannot_keep_weights_4bit(cell_cfg, tiny):
