@@ -15,7 +15,7 @@ from decodebench.checkpoint import load_model, load_reference
 from decodebench.config import ConfigError, EngineConfig
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from engines.base import Engine, Generation, OnTokens
-from engines.stepping import compile_backend, graph_counts
+from engines.stepping import INDUCTOR_DEFAULTS, compile_backend, graph_counts
 
 
 class Loader(StrEnum):
@@ -227,9 +227,22 @@ class StaticEngine(GenerateEngine):
         if not self.ctx.engine_cfg.compile:
             return None
         backend = compile_backend(self.ctx.engine_cfg.backend, self.ctx.device)  # not none: refused by the config
-        config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+        config = CompileConfig(backend=backend, mode=None, options=self.inductor_options() or None)
         config._compile_all_devices = True  # Transformers compiles on accelerators only unless told so
         return config
+
+    def inductor_options(self) -> dict[str, Any]:
+        """What TorchInductor compiles the forward with: Transformers' default mode (``reduce-overhead``) as its
+        options, torch.compile taking one or the other, and ``INDUCTOR_DEFAULTS`` (bf16 intermediates rounded as
+        eager rounds them: without it notebook 02's buffer failed the bf16 parity bound on e2b-synthetic, KL mean
+        1.02e-3 over 1e-3); none when generate does not compile, or with another backend."""
+        if not self.ctx.engine_cfg.compile:
+            return {}
+        if compile_backend(self.ctx.engine_cfg.backend, self.ctx.device) != "inductor":
+            return {}
+        from torch._inductor import list_mode_options  # TorchInductor's import is heavy: only when it compiles
+
+        return {**list_mode_options("reduce-overhead"), **INDUCTOR_DEFAULTS}
 
     def cache(self) -> StaticCache:
         if self._cache is None:
@@ -253,5 +266,5 @@ class StaticEngine(GenerateEngine):
             "cache": f"transformers StaticCache, max_cache_len={self.ctx.context}",
             "mode": self.ctx.engine_cfg.mode,
             "compile": self.ctx.engine_cfg.compile,
-            **(graph_counts() if self.ctx.engine_cfg.compile else {}),
+            **({"inductor": self.inductor_options(), **graph_counts()} if self.ctx.engine_cfg.compile else {}),
         }

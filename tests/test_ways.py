@@ -105,6 +105,20 @@ def test_reproduce_copies_only_the_ways_the_noise_floor_reads():
     assert 'once) $(REPRODUCE) "way=$$ways"' in makefile
 
 
+def test_reproduce_leaves_out_the_ways_skip_names_and_refuses_a_pattern_that_names_none():
+    long_context = [w for w in ALL_WAYS if w.startswith("nb05/")]
+    kept = select("noise", ALL_WAYS, ["nb05/*"]) + select("once", ALL_WAYS, ["nb05/*"])
+    assert sorted(kept) == sorted(set(ALL_WAYS) - set(long_context)) and len(long_context) == 4
+    assert "nb05/recall-131k" not in select("checks", ALL_WAYS, ["nb05/*"])  # no ring way left to check
+    assert select("noise", ALL_WAYS, ["nb04/compiled", "nb04/jax-*"]) == [
+        w for w in select("noise", ALL_WAYS) if w not in ("nb04/compiled", "nb04/jax-bf16")
+    ]
+    with pytest.raises(ValueError, match=r"SKIP=nb06/\* matches no way"):
+        select("noise", ALL_WAYS, ["nb05/*", "nb06/*"])
+    makefile = (REPO / "Makefile").read_text()
+    assert '--skip "$(SKIP)"' in makefile
+
+
 def test_the_buffer_ways_check_runs_generate_compiling_its_forward_with_the_wrappers_on(cell_cfg, tiny):
     """Notebook 02's "buffer": generate over a static cache compiles its own forward (Transformers' CompileConfig,
     here with the eager backend); its parity check is a cell of the way."""
@@ -114,6 +128,24 @@ def test_the_buffer_ways_check_runs_generate_compiling_its_forward_with_the_wrap
     engine = record["engine"]
     assert engine["compile"] is True and engine["loader"] == "transformers"
     assert engine["graphs"] > 1 and engine["graph_breaks"] > 0  # the wrappers cut the program (article, Step 7)
+    assert engine["inductor"] == {}  # another backend: no TorchInductor options
+
+
+def test_the_buffer_ways_forward_compiles_with_the_default_mode_and_eager_rounding(cache_dir, tiny):
+    """torch.compile takes a mode or options, not both: TorchInductor gets reduce-overhead's options and rounds bf16
+    intermediates as eager does (INDUCTOR_DEFAULTS), as the stepping engines' compiles do."""
+    from torch._inductor import list_mode_options
+
+    from engines.stepping import INDUCTOR_DEFAULTS
+
+    opening = opened(f"cache_dir={cache_dir}", "way=nb02/buffer")
+    try:
+        config = opening.load().compile_config()
+    finally:
+        opening.close()
+    assert config.backend == "inductor" and config.mode is None
+    assert config.options == {**list_mode_options("reduce-overhead"), **INDUCTOR_DEFAULTS}
+    assert config.options["emulate_precision_casts"] is True
 
 
 def test_the_first_token_kl_is_the_rust_articles_definition(cell_cfg, tiny, cache_dir):
