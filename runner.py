@@ -84,6 +84,7 @@ def typed_config(cfg: DictConfig) -> RunConfig:
         declared = {f.name for f in fields(OmegaConf.get_type(node))}
         unknown = sorted(set(node.keys()) - declared)
         if unknown:
+            refuse_way_change(cfg, group, unknown)
             settings = ", ".join(f"{group}.{key}" for key in unknown)
             who = "; ".join(f"{group}.{key} is a setting of {', '.join(takes(key)) or 'no engine'}"
                             for key in unknown) if takes else ""  # fmt: skip
@@ -109,6 +110,24 @@ def way_settings(way: str) -> dict[str, Any]:
         for sub, inner in (value.items() if isinstance(value, dict) else [(None, value)]):
             settings[f"{key}.{sub}" if sub else key] = inner
     return settings
+
+
+def refuse_way_change(cfg: DictConfig, group: str, unknown: list[str]) -> None:
+    """A way selects its ``group`` (``engine=generate``) and sets that choice's settings; when the command line
+    chose another (``engine=ring``), which lacks some of them (``unknown``), the way and the change are the cause,
+    and the error names them (not only the settings the other choice lacks). Nothing to say otherwise."""
+    way = cfg.get("way")
+    settings = way_settings(way) if way and (WAYS / f"{way}.yaml").is_file() else {}
+    chosen = settings.get(f"{group}.name")
+    if chosen is None or chosen == cfg[group].name:
+        return
+    own = ", ".join(f"{k}={v}" for k, v in settings.items() if k.startswith(f"{group}.") and k != f"{group}.name")
+    lacks = ", ".join(f"{group}.{key}" for key in unknown)
+    raise ConfigError(
+        f"way={way} (conf/way/{way}.yaml) sets {group}={chosen}{' with ' + own if own else ''}, and the "
+        f"command line changed the {group} to {cfg[group].name}, which has no setting {lacks}: drop way= to run "
+        f"{group}={cfg[group].name}, or drop {group}={cfg[group].name} to run the way"
+    )
 
 
 def way_checks(ways: list[str]) -> list[str]:

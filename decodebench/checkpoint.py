@@ -30,6 +30,7 @@ from decodebench.synthetic import ensure_synthetic
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 INT4_TABLES = ("embed_tokens_per_layer",)  # tables a 4-bit-table engine keeps packed
+EMB4_TABLES = ("embed_tokens", "embed_tokens_per_layer")  # what an -emb4 twin stores pack-quantized int4
 KEY_MAPPING = {r"^model\.language_model\.": "model."}  # the repack's multimodal names -> the text model's
 INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}  # the one weight quantization read
 
@@ -75,31 +76,56 @@ def resolve(model_cfg: Any, tables: str, cache_dir: str | Path) -> Checkpoint:
         path = built.emb4 if tables == "int4" else built.w4a16
         provenance = {"kind": "synthetic", "synthetic": True, "key": built.key, "path": str(path)}
     else:
+        setting = "model.emb4_path" if tables == "int4" else "model.path"
         local = model_cfg.emb4_path if tables == "int4" else model_cfg.path
         hub_id = model_cfg.emb4_hub_id if tables == "int4" else model_cfg.hub_id
         if local:
             path = Path(local)
             provenance = {"kind": "path", "synthetic": False, "path": str(path), "hub_id": hub_id}
         else:
-            path = _download(hub_id)
+            path = _download(hub_id, setting)
             provenance = {"kind": "hub", "synthetic": False, "hub_id": hub_id, "path": str(path)}
+        if tables == "int4":
+            check_emb4_twin(path, f"{setting}={path}" if local else f"model.emb4_hub_id={hub_id} ({path})")
     ckpt = open_checkpoint(path)
     ckpt.provenance.update(provenance)
     ckpt.provenance["tables_description"] = "int4 tables (-emb4)" if tables == "int4" else "W4A16 linears, bf16 tables"
     return ckpt
 
 
-def _download(hub_id: str | None) -> Path:
+def check_emb4_twin(path: Path, named: str) -> None:
+    """An error unless the folder ``named`` (``model.emb4_path=...``) stores the vocabulary tables int4-packed, as
+    an ``-emb4`` twin does (an engine that keeps them 4-bit looks them up packed); reads the safetensors headers."""
+    packed = {n.removesuffix(".weight_packed").rpartition(".")[2] for n in stored_names(path) if n.endswith("_packed")}
+    missing = [table for table in EMB4_TABLES if table not in packed]
+    if missing:
+        raise CheckpointError(
+            f"{named} is not an -emb4 twin: its safetensors hold no int4-packed vocabulary table "
+            f"({', '.join(f'{table}.weight_packed' for table in missing)} missing); an -emb4 twin (the -ct-text-emb4 "
+            f"repack) stores {', '.join(EMB4_TABLES)} and lm_head pack-quantized int4 (weight_packed, weight_scale, "
+            "weight_shape), where the -ct-text twin (model.path) stores the tables dense"
+        )
+
+
+FETCH_HINTS = {  # how to run when a twin cannot be fetched, by the setting that names a local copy of it
+    "model.path": "download it elsewhere and pass model.path=<folder>",
+    "model.emb4_path": "this run keeps vocabulary tables 4-bit, read from the -emb4 twin (model.path is the -ct-text "
+    "one): download it elsewhere and pass model.emb4_path=<folder>, or run without the twin "
+    "(engine=ring engine.per_layer_table=bf16, with engine.weights=dense and model.tables=bf16)",
+}
+
+
+def _download(hub_id: str | None, setting: str) -> Path:
+    """The hub checkpoint ``hub_id`` in the local hub cache; ``setting``: what names a local copy instead."""
     if not hub_id:
-        raise CheckpointError("this model names no hub id; set model.path= to a local copy")
+        raise CheckpointError(f"this model names no hub id; set {setting}= to a local copy")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"]))
     except Exception as exc:  # offline, private, or missing: say which checkpoint and how to work around
         raise CheckpointError(
-            f"could not fetch {hub_id} from the hub ({type(exc).__name__}: {exc}); "
-            "download it elsewhere and pass model.path=<folder>"
+            f"could not fetch {hub_id} from the hub ({type(exc).__name__}: {exc}); {FETCH_HINTS[setting]}"
         ) from exc
 
 

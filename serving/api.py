@@ -5,8 +5,11 @@ Every field a client sends is one of four kinds, and nothing is dropped silently
 * taken, as OpenAI documents it: ``model``, ``messages`` (text content, or a list of text parts,
   joined), ``prompt`` (a string, strings, token ids, lists of token ids), ``max_tokens``,
   ``max_completion_tokens``, ``stream``, ``stream_options.include_usage``, ``stop``, ``logprobs``,
-  ``top_logprobs``, ``echo``; and vLLM's ``ignore_eos``, ``min_tokens`` and ``return_token_ids`` (each
-  choice, and each streamed chunk, carries the ``token_ids`` it holds: how ``engine=openai`` reads tokens),
+  ``top_logprobs``, ``echo``; and vLLM's ``ignore_eos``, ``min_tokens``,
+  ``stream_options.continuous_usage_stats`` (with ``include_usage``: every streamed chunk carries ``usage``,
+  the prompt's tokens and the reply's so far, as load generators such as GuideLLM ask) and
+  ``return_token_ids`` (each choice, and each streamed chunk, carries the ``token_ids`` it holds: how
+  ``engine=openai`` reads tokens),
   ``return_tokens_as_token_ids`` (log-probabilities name each token ``token_id:<id>``, not by its text, so
   two ids with the same text stay apart: how ``engine=openai``'s parity reads them);
 * accepted only at a value that describes what this server does (greedy decoding, one reply, plain
@@ -15,7 +18,8 @@ Every field a client sends is one of four kinds, and nothing is dropped silently
 * accepted without effect and listed in the response's ``decodebench.ignored``: ``return_tokens_as_token_ids``
   without log-probabilities, ``user``,
   ``metadata``, ``store``, ``parallel_tool_calls`` (no tools can be given), ``seed`` (greedy decoding
-  is deterministic), ``stream_options`` on a request that does not stream;
+  is deterministic), ``stream_options`` on a request that does not stream, ``continuous_usage_stats``
+  without ``include_usage`` (vLLM's rule: no usage is asked for);
 * anything else is refused by name as unrecognized (``extra="forbid"``), never ignored.
 """
 
@@ -68,6 +72,7 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk (with include_usage)
 
 
 class TextPart(BaseModel):
@@ -142,6 +147,8 @@ class Common(BaseModel):
         """The fields this request set that have no effect here."""
         names = [name for name in self.IGNORED if getattr(self, name) is not None]
         names += ["stream_options"] if self.stream_options is not None and not self.stream else []
+        alone = self.stream and self.stream_options and self.stream_options.continuous_usage_stats
+        names += ["stream_options.continuous_usage_stats"] if alone and not self.include_usage else []
         unnamed = self.return_tokens_as_token_ids and self.top_k is None  # no log-probabilities to name tokens in
         return names + (["return_tokens_as_token_ids"] if unnamed else [])
 
@@ -152,6 +159,11 @@ class Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's ``continuous_usage_stats``, which needs ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatRequest(Common):

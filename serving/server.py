@@ -270,9 +270,11 @@ def create_app(
         return {"id": f"{prefix}-{job.id}", "created": int(time.time()), "model": served.model_id,
                 "system_fingerprint": served.fingerprint}  # fmt: skip
 
-    def usage(records: list[Finished]) -> dict[str, int]:
-        prompt, completion = sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records)
+    def counted(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage(records: list[Finished]) -> dict[str, int]:
+        return counted(sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
 
     def logprobs(kind: str, reply: Reply, as_ids: bool) -> dict[str, Any] | None:
         """The reply's log-probabilities in its endpoint's shape (None: not asked, or no decode to score);
@@ -323,24 +325,28 @@ def create_app(
                                  "text_completion", "choices": choices, "usage": usage(records),
                                  "decodebench": {**timers, **extra}})  # fmt: skip
 
+        def so_far(reply: Reply) -> dict[str, Any]:
+            """A chunk's ``usage`` with ``continuous_usage_stats``: its reply's prompt and the tokens sent so far."""
+            return {"usage": counted(len(reply.job.prompt_ids), reply.text.count)} if body.continuous_usage else {}
+
         async def chunks() -> AsyncIterator[str]:
             top = {**head(kind, jobs[0]), "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
             async with watching(request, jobs):
                 if kind == "chat":
                     yield sse({**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None}]})  # fmt: skip
+                                                   "finish_reason": None}], **so_far(replies[0])})  # fmt: skip
                 for reply in replies:
                     if reply.echo:  # the prompt, before any token
-                        yield sse({**top, "decodebench": {"tokens": 0},
+                        yield sse({**top, "decodebench": {"tokens": 0}, **so_far(reply),
                                    "choices": [choice(kind, reply.index, reply.echo, None, None, False)]})  # fmt: skip
                     async for delta, batch in reply.batches():  # one chunk per batch the engine read
                         ids = batch if body.return_token_ids else None
-                        yield sse({**top, "decodebench": {"tokens": len(batch)},
+                        yield sse({**top, "decodebench": {"tokens": len(batch)}, **so_far(reply),
                                    "choices": [choice(kind, reply.index, delta, None, None, False, ids)]})  # fmt: skip
                     record = reply.record
                     scored = await asyncio.to_thread(logprobs, kind, reply, body.return_tokens_as_token_ids)
                     last = choice(kind, reply.index, reply.text.visible(final=True), record.finish, scored, False)
-                    final = {**top, "decodebench": {**record.extension(), **extra}, "choices": [last]}
+                    final = {**top, "decodebench": {**record.extension(), **extra}, "choices": [last], **so_far(reply)}
                     if record.finish == "error":
                         final["error"] = {"message": record.error, "type": "server_error"}
                     yield sse(final)

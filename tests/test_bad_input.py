@@ -3,9 +3,12 @@ and the rule, and nothing is written where it should not be."""
 
 from __future__ import annotations
 
+import huggingface_hub
 import pytest
 
 from runner import run_cell
+
+EMB4_HUB_ID = "xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4"  # model=e2b-w4a16's -emb4 twin
 
 
 def test_a_sweep_name_that_is_a_path_is_refused_and_writes_nothing(cell_cfg, tmp_path, capsys):
@@ -55,3 +58,32 @@ def test_read_every_is_refused_by_name_where_the_engine_does_not_read_back_itsel
     assert "Traceback" not in record["reason"]
     streamed = run_cell(cell_cfg(f"engine={engine}", "read_every=1", "max_new_tokens=4", "repeats=1"))
     assert streamed["status"] == "ok", streamed["reason"]
+
+
+@pytest.mark.parametrize("folder", ["ct-text twin", "empty folder"])
+def test_an_emb4_path_that_is_no_emb4_twin_says_what_it_lacks(cell_cfg, tiny, tmp_path, folder):
+    """engine.weights=int4 looks every vocabulary table up packed: a model.emb4_path without them is named as no
+    -emb4 twin, with the tensors it lacks and what a twin stores (not a KeyError, nor 'not a checkpoint folder')."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    path = tiny.w4a16 if folder == "ct-text twin" else empty
+    record = run_cell(cell_cfg("engine=ring", "engine.weights=int4", "model=e2b-w4a16", f"model.path={tiny.w4a16}",
+                               f"model.emb4_path={path}"))  # fmt: skip
+    reason = record["reason"]
+    assert record["status"] == "failed" and f"model.emb4_path={path} is not an -emb4 twin" in reason
+    assert "no int4-packed vocabulary table (embed_tokens.weight_packed, embed_tokens_per_layer.weight_packed" in reason
+    assert "an -emb4 twin (the -ct-text-emb4 repack) stores embed_tokens, embed_tokens_per_layer and lm_head" in reason
+
+
+def test_an_emb4_twin_out_of_reach_names_model_emb4_path_not_model_path(cell_cfg, tiny, tmp_path, monkeypatch):
+    """The ring keeps its per-layer table 4-bit, read from the -emb4 twin: given only model.path, with the hub out of
+    reach (offline, an empty hub cache: it fails at once), the error says how to pass the twin and how to run
+    without it."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    record = run_cell(cell_cfg("engine=ring", "model=e2b-w4a16", f"model.path={tiny.w4a16}"))
+    reason = record["reason"]
+    assert record["status"] == "failed" and f"could not fetch {EMB4_HUB_ID} from the hub" in reason
+    assert "read from the -emb4 twin (model.path is the -ct-text one)" in reason
+    assert "pass model.emb4_path=<folder>, or run without the twin (engine=ring engine.per_layer_table=bf16" in reason
+    assert "model.path=<folder>" not in reason

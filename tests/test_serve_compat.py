@@ -7,6 +7,7 @@ limit, the bounded queue, SIGTERM)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -379,6 +381,82 @@ def test_log_probabilities_name_tokens_by_id_when_asked(client):
     unnamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
                                         extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
     assert ext(unnamed)["ignored"] == ["return_tokens_as_token_ids"], "no log-probabilities to name tokens in"
+
+
+ASKED = 8  # tokens the load generators' bodies ask for
+GUIDELLM_STREAM = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: usage on every chunk
+
+
+def guidellm_chat(stream: bool) -> dict[str, Any]:
+    """GuideLLM 0.8.1's chat body, written against vLLM's API (both budgets, ``stop: null``, ``ignore_eos``)."""
+    body = {"model": MODEL, "messages": chat(PROMPT), "stream": stream, "max_completion_tokens": ASKED,
+            "max_tokens": ASKED, "stop": None, "ignore_eos": True}  # fmt: skip
+    return {**body, "stream_options": GUIDELLM_STREAM} if stream else body
+
+
+def aiperf_body(endpoint: str) -> dict[str, Any]:
+    """AIPerf 0.13's streamed body as serving/aiperf.py runs it (``--extra-inputs ignore_eos:true``): chat turns
+    ask with ``max_completion_tokens``, completions prompts with ``max_tokens``; usage once, at the end."""
+    asked = {"messages": chat(PROMPT), "max_completion_tokens": ASKED} if endpoint == "chat/completions" else {
+        "prompt": PROMPT, "max_tokens": ASKED}  # fmt: skip
+    return {**asked, "model": MODEL, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def posted(url: str, endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``body`` sent as it is (200 asserted): the response, or a stream's chunks (``[DONE]`` asserted last)."""
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        if not body["stream"]:
+            return [json.loads(response.read())]
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+@contextmanager
+def eos_written_second(server: dict[str, Any]) -> Iterator[str]:
+    """An app told that the second token the model writes, to the chat and to the completions prompt, is EOS: a
+    reply that still has every token asked took ``ignore_eos``."""
+    tokenizer = server["served"].tokenizer
+    prompts = (chat_ids(tokenizer, chat(PROMPT)), text_ids(tokenizer, PROMPT))
+    with another_app(server, eos_ids=[bare(server, ids, 2).tokens[1] for ids in prompts]) as url:
+        server["paced"].pause_s = 0.0
+        yield url
+
+
+def test_guidellms_chat_bodies_get_the_tokens_asked_and_usage_on_every_chunk(server):
+    prompt_tokens = len(chat_ids(server["served"].tokenizer, chat(PROMPT)))
+    with eos_written_second(server) as url:
+        (whole,) = posted(url, "chat/completions", guidellm_chat(stream=False))
+        assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": ASKED,
+                                  "total_tokens": prompt_tokens + ASKED}  # fmt: skip
+        assert whole["choices"][0]["finish_reason"] == "length" and whole["decodebench"]["ignored"] == []
+        (ended,) = posted(url, "chat/completions", {**guidellm_chat(stream=False), "ignore_eos": False})
+        assert ended["usage"]["completion_tokens"] < ASKED, "without ignore_eos the EOS ends the reply"
+        chunks = posted(url, "chat/completions", guidellm_chat(stream=True))
+        sent = 0
+        for chunk in chunks[:-1]:  # the last: usage alone (include_usage)
+            sent += chunk.get("decodebench", {}).get("tokens", 0)
+            assert chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": sent,
+                                      "total_tokens": prompt_tokens + sent}  # fmt: skip
+        assert sent == ASKED and chunks[-1]["usage"] == whole["usage"] and chunks[-1]["choices"] == []
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-2]["decodebench"]["ignored"] == []
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == whole["choices"][0]["message"][
+            "content"]  # fmt: skip
+        alone = posted(url, "chat/completions", {**guidellm_chat(stream=True),
+                                                 "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+        assert not any("usage" in chunk for chunk in alone), "vLLM's rule: usage on every chunk needs include_usage"
+        assert alone[-1]["decodebench"]["ignored"] == ["stream_options.continuous_usage_stats"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_aiperfs_bodies_get_the_tokens_asked_and_usage_at_the_end(server, endpoint):
+    with eos_written_second(server) as url:
+        chunks = posted(url, endpoint, aiperf_body(endpoint))
+    assert sum(chunk.get("decodebench", {}).get("tokens", 0) for chunk in chunks) == ASKED
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == ASKED
+    assert not any("usage" in chunk for chunk in chunks[:-1]), "usage once, at the end, without continuous_usage_stats"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-2]["decodebench"]["ignored"] == []
 
 
 def test_text_stream_holds_back_what_could_start_a_stop_string(server):

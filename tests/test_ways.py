@@ -36,6 +36,16 @@ def test_a_way_run_otherwise_is_refused_by_name(cell_cfg):
     ]
 
 
+def test_a_way_whose_engine_the_command_line_changed_names_the_way_not_only_a_setting(cell_cfg):
+    """nb04/generate sets engine.loader, a setting ring lacks: the error names the way, the engine and settings it
+    sets, and the change, not only "engine ring has no setting engine.loader"."""
+    record = run_cell(cell_cfg("way=nb04/generate", "engine=ring"))
+    reason = record["reason"]
+    assert record["status"] == "failed"
+    assert "way=nb04/generate (conf/way/nb04/generate.yaml) sets engine=generate with engine.loader=" in reason
+    assert "the command line changed the engine to ring, which has no setting engine.loader" in reason
+
+
 def test_a_way_cell_records_its_way(cell_cfg, tiny):
     record = run_cell(cell_cfg("way=nb04/compiled-4bit-table", "engine.backend=eager", "repeats=1"))
     assert record["status"] == "ok", record["reason"]
