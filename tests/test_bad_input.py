@@ -85,5 +85,5 @@ def test_an_emb4_twin_out_of_reach_names_model_emb4_path_not_model_path(cell_cfg
     reason = record["reason"]
     assert record["status"] == "failed" and f"could not fetch {EMB4_HUB_ID} from the hub" in reason
     assert "read from the -emb4 twin (model.path is the -ct-text one)" in reason
-    assert "pass model.emb4_path=<folder>, or run without the twin (engine=ring engine.per_layer_table=bf16" in reason
+    assert "pass model.emb4_path=<folder>, or run without the twin: engine.per_layer_table=bf16" in reason
     assert "model.path=<folder>" not in reason

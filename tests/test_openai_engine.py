@@ -61,7 +61,7 @@ def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, 
         engine._ids(SimpleNamespace(model_extra={}, text="the tide"))
 
 
-def test_parity_reads_the_endpoints_top_logprobs_by_id_and_a_silent_url_is_skipped(cell_cfg, endpoint):
+def test_parity_reads_the_endpoints_top_logprobs_by_id_and_a_silent_url_fails(cell_cfg, endpoint):
     url = f"{endpoint['url']}/v1"
     parity = run_cell(
         cell_cfg("engine=openai", f"engine.url={url}", "experiment=parity-bf16", "max_new_tokens=6", "context=256")
@@ -75,10 +75,8 @@ def test_parity_reads_the_endpoints_top_logprobs_by_id_and_a_silent_url_is_skipp
         and "top-5" in parity["measurements"]["parity_topk_kl_mean"]["definition"]
     )
     nobody = run_cell(cell_cfg("engine=openai", "engine.url=http://127.0.0.1:9/v1", "experiment=decode"))
-    assert (
-        nobody["status"] == "skipped"
-        and "no OpenAI-compatible endpoint answers at http://127.0.0.1:9/v1" in (nobody["reason"])
-    )
+    assert nobody["status"] == "failed"  # the user named this endpoint: nothing there is a failure, not a skip
+    assert nobody["reason"].startswith("engine.url=http://127.0.0.1:9/v1: no OpenAI-compatible endpoint answers")
 
 
 def test_an_endpoint_on_this_machine_works_on_the_cells_cpu_not_as_contention():

