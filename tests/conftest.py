@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,78 @@ def held_pairs(warm_1_s: list[float], warm_n_s: list[float]) -> int:
     """How many timed pairs kept the decode method's rule T_N > T_1 (seconds), so gave a rate. On a loaded
     machine a short pair can break it; a test of a cell's arithmetic counts on the pairs, not on the timing."""
     return sum(t_n > t_1 for t_1, t_n in zip(warm_1_s, warm_n_s, strict=True))
+
+
+STOP_S = 30.0  # a process a test started has this long to end after its signal, then it is killed
+
+
+def default_sigint() -> None:
+    """In a child before it runs: Ctrl-C as an interactive shell gives it, however the suite was started (a background
+    job of a script starts with SIGINT ignored, and every child inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn_serve(*args: str, sigint: Any = default_sigint) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+    """``serve.py ARGS`` in a process of its own (SIGINT as ``sigint`` sets it up), its output lines on a queue."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "serve.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=sigint)  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return proc, lines
+
+
+def served_line(lines: queue.Queue[str], timeout_s: float = 180) -> str:
+    """The line serve.py prints once it serves (each line within ``timeout_s``)."""
+    line = ""
+    while "decodebench serving" not in line:
+        line = lines.get(timeout=timeout_s)
+    return line
+
+
+def stop(proc: subprocess.Popen[Any], signum: int = signal.SIGTERM, bound_s: float = STOP_S) -> int:
+    """``signum`` to a process a test started (when it still runs), SIGKILL after ``bound_s`` seconds; waited for
+    either way. Its exit status (-9 when it had to be killed)."""
+    if proc.poll() is None:
+        proc.send_signal(signum)
+        try:
+            return proc.wait(bound_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes descended from ``pid`` (from /proc; zombies left out)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found - {pid})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_running():
+    """After the session: every process a test started has ended; any left is killed and fails the run by name."""
+    yield
+    left = {}
+    for pid in descendants(os.getpid()):
+        try:
+            left[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes the tests started are still running (now killed): {left}"
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,8 @@ text, the chat page in Debian's headless chromium, the CLI, and the engines' str
 from __future__ import annotations
 
 import json
-import os
-import queue
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +27,7 @@ from serving.defaults import serving_settings
 from serving.listen import running
 from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
-from tests.conftest import REPO, make_cfg, opened
+from tests.conftest import REPO, make_cfg, opened, served_line, spawn_serve, stop
 
 MODEL = "tiny"
 
@@ -266,16 +262,14 @@ def test_chat_page_streams_carries_the_conversation_and_stop_cancels(server):
 
 
 def test_the_cli_serves_until_interrupted(cache_dir, tiny):
-    command = [sys.executable, "serve.py", "engine=ring", "engine.backend=none",
-               f"cache_dir={cache_dir}", "device=cpu", "serve.port=0", "max_new_tokens=4"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    """Ctrl-C stops it (exit 0); started with SIGINT ignored (``nohup``, a background job of a script), as the
+    README says, SIGINT leaves it serving and SIGTERM stops it the same way."""
+    args = ("engine=ring", "engine.backend=none", f"cache_dir={cache_dir}", "device=cpu", "serve.port=0",
+            "max_new_tokens=4")  # fmt: skip
+    proc, lines = spawn_serve(*args)
+    ignoring, ignoring_lines = spawn_serve(*args, sigint=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        line = ""
-        while "serving" not in line:
-            line = lines.get(timeout=180)
+        line = served_line(lines)
         url = line.split(" at ")[1].split("/v1")[0]
         assert url.startswith("http://127.0.0.1:")
         health = httpx.get(f"{url}/health", timeout=10).json()
@@ -283,9 +277,15 @@ def test_the_cli_serves_until_interrupted(cache_dir, tiny):
         assert health["engine"] == "ring" and info["warmup_s"] > 0
         assert (info["layout"]["attend"], info["layout"]["last_piece"]) == ("exact", "exact"), "the server's defaults"
         assert "serving defaults engine.last_piece=exact engine.attend=exact" in line
+        assert stop(proc, signal.SIGINT) == 0
+        other = served_line(ignoring_lines).split(" at ")[1].split("/v1")[0]
+        ignoring.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert ignoring.poll() is None and httpx.get(f"{other}/health", timeout=10).status_code == 200
+        assert stop(ignoring, signal.SIGTERM) == 0
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        stop(proc)
+        stop(ignoring)
 
 
 @pytest.mark.parametrize("engine", ["generate", "ring", "rust", "jax"])

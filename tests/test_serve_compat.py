@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +26,7 @@ from engines.rust_engine import RustEngine
 from serving.listen import running
 from serving.server import create_app
 from serving.text import StopRule, TextStream
-from tests.conftest import REPO
+from tests.conftest import served_line, spawn_serve, stop
 from tests.test_serve import MODEL, chat, metrics, serving_engine, wait_until
 
 PROMPT = "The ocean is"
@@ -532,25 +528,16 @@ def test_a_body_over_the_limit_is_a_413_and_a_full_queue_a_429_with_retry_after(
 
 
 def test_sigterm_stops_the_cli_as_ctrl_c_does_and_serve_settings_apply(cache_dir, tiny):
-    command = [sys.executable, "serve.py", "engine=generate", f"cache_dir={cache_dir}",  # compiles nothing
-               "device=cpu", "serve.port=0", "max_new_tokens=4", "serve.max_body_bytes=1000"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
-    reader.start()
+    proc, lines = spawn_serve("engine=generate", f"cache_dir={cache_dir}", "device=cpu", "serve.port=0",  # compiles
+                              "max_new_tokens=4", "serve.max_body_bytes=1000")  # nothing  # fmt: skip
     try:
-        line = ""
-        while "serving" not in line:
-            line = lines.get(timeout=180)
-        url = line.split(" at ")[1].split("/v1")[0]
+        url = served_line(lines).split(" at ")[1].split("/v1")[0]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="test", max_retries=0, timeout=60)
         with pytest.raises(openai.APIStatusError) as caught:
             client.completions.create(model=MODEL, prompt="word " * 300, max_tokens=2)
         assert caught.value.status_code == 413 and "max_body_bytes=1000" in caught.value.message
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    reader.join(10)
+        assert stop(proc, signal.SIGTERM) == 0
+    time.sleep(0.5)  # the reader thread's last lines
     rest = list(lines.queue)
     assert any("decodebench: stopped" in line for line in rest), rest

@@ -6,7 +6,6 @@ page through the shim in Debian's headless chromium. Loopback only; every wait i
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from serving import browser, shim
 from serving.listen import running
 from serving.server import create_app, describe_engine
 from serving.worker import EngineWorker, Metrics
-from tests.conftest import REPO, opened
+from tests.conftest import REPO, default_sigint, opened, served_line, spawn_serve, stop
 from tests.test_serve import Paced, chat, metrics, wait_until
 
 MODEL = "tiny"
@@ -155,21 +154,13 @@ def test_the_lookup_prints_a_url_or_a_host():
 
 def start_serve(cache_dir: Path) -> tuple[subprocess.Popen, queue.Queue]:
     """An upstream server in a process of its own: generate, which compiles nothing (the shim is the point)."""
-    command = [sys.executable, "serve.py", "engine=generate", f"model={MODEL}", "device=cpu",
-               f"cache_dir={cache_dir}", "serve.port=0", "max_new_tokens=4"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return proc, lines
+    return spawn_serve("engine=generate", f"model={MODEL}", "device=cpu", f"cache_dir={cache_dir}", "serve.port=0",
+                       "max_new_tokens=4")  # fmt: skip
 
 
 def served_url(lines: queue.Queue) -> str:
     """The address serve.py prints once it serves (bounded: each line within START_S)."""
-    line = ""
-    while "decodebench serving" not in line:
-        line = lines.get(timeout=START_S)
-    return line.split(" at ")[1].split("/v1")[0]
+    return served_line(lines, START_S).split(" at ")[1].split("/v1")[0]
 
 
 def test_an_upstream_killed_and_restarted_elsewhere_is_looked_up_again(cache_dir, tiny, tmp_path):
@@ -182,7 +173,8 @@ def test_an_upstream_killed_and_restarted_elsewhere_is_looked_up_again(cache_dir
         address.write_text(first + "\n")
         lookup = f"{sys.executable} -c \"print(open('{address}').read())\""
         shim_proc = subprocess.Popen([sys.executable, "-m", "serving.shim", "--lookup-cmd", lookup, "--port", "0"],
-                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=default_sigint)  # fmt: skip
         line = shim_proc.stdout.readline()  # the shim looks the upstream up before it prints
         assert "decodebench shim at http://127.0.0.1:" in line and f"-> {first};" in line, line
         local = line.split(" at ")[1].split("/v1")[0]
@@ -205,12 +197,9 @@ def test_an_upstream_killed_and_restarted_elsewhere_is_looked_up_again(cache_dir
         assert health["upstream"] == second and health["upstream_health"] == 200 and health["lookups"] >= 3
     finally:
         for proc, _ in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(30)
+            stop(proc, signal.SIGINT)
         if shim_proc is not None:
-            shim_proc.send_signal(signal.SIGINT)
-            assert shim_proc.wait(30) == 0
+            assert stop(shim_proc, signal.SIGINT) == 0
 
 
 @pytest.mark.skipif(browser.missing() is not None, reason=str(browser.missing()))
