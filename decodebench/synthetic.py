@@ -42,7 +42,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench.config import SHAPE_FIELDS
 from decodebench.synthetic_tokenizer import TURN_END, build_tokenizer
 
-FORMAT_VERSION = 3  # bump whenever the bytes a shape builds change (weights, tokenizer, config)
+FORMAT_VERSION = 4  # bump whenever the bytes a shape builds change (weights, tokenizer, config)
 GROUP = 32  # inputs per scale, as in the real repack
 CHECKPOINT_PREFIX = "model.language_model."
 # The scales each stored scale dtype gets: m * 2**e for m in the range, e the exponent (see _grid)

@@ -1,4 +1,5 @@
-"""A byte-level BPE tokenizer trained here, shaped like Gemma 4's (special ids, chat template, EOS set).
+"""A SentencePiece-style BPE tokenizer with byte fallback trained here, shaped like Gemma 4's (special ids, chat
+template, EOS set, ``tokenizer.json`` layout).
 
 Deterministic from a seed: the corpus is generated, the trainer is single-pass BPE, and the vocabulary
 is padded with ``<unused_N>`` tokens up to the model's vocabulary size so every id the model can
@@ -11,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]  # ids 0..5
@@ -69,22 +70,33 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return text
 
 
+SPACE = "\u2581"  # SentencePiece's word marker: a space is this character inside every token
+BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]  # byte fallback: any byte no token spells
+
+
 def build_tokenizer(out_dir: Path, *, vocab_size: int, bpe_vocab: int, seed: int) -> dict[str, int]:
-    """Trains, pads to ``vocab_size`` and saves with its chat template; returns the special ids."""
+    """Trains, pads to ``vocab_size`` and saves with its chat template; returns the special ids.
+
+    Shaped as Gemma's ``tokenizer.json`` is: SentencePiece-style BPE (a space is ``▁`` inside tokens, digits one
+    each, merges never across a word's start), byte fallback (``<0x00>``..``<0xFF>`` right after the special
+    tokens), the decoder a ``Sequence`` (``▁`` back to a space, bytes fused), no BOS added: so peers' converters
+    and tokenizers (llama.cpp's, vLLM's) take it as they take the real checkpoint's."""
     bpe_vocab = min(bpe_vocab, vocab_size)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(  # for training only: pieces start at a word, digits one each
+        [pre_tokenizers.Split(SPACE, behavior="merged_with_next"), pre_tokenizers.Digits(individual_digits=True)]
     )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=bpe_vocab,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, special_tokens=SPECIAL_TOKENS + BYTE_TOKENS,
+                                  show_progress=False)  # fmt: skip
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     spec = json.loads(tok.to_str())
+    spec["pre_tokenizer"] = None  # as Gemma's: the learnt merges alone keep words and digits apart
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}  # fmt: skip
+    byte_ids = {t: i for t, i in spec["model"]["vocab"].items() if t in BYTE_TOKENS}
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] not in byte_ids]  # plain byte tokens
     vocab: dict[str, int] = spec["model"]["vocab"]
     for i in range(len(vocab), vocab_size):
         vocab[f"<unused_{i}>"] = i

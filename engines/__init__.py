@@ -18,6 +18,7 @@ from engines.base import Engine
 from engines.compiled import CompiledEngine
 from engines.generate import FuseEngine, GenerateEngine, StaticEngine
 from engines.jax_engine import JaxEngine
+from engines.llamacpp_engine import LlamaCppEngine
 from engines.openai_engine import OpenAIEngine
 from engines.ring import RingEngine
 from engines.rust_engine import RustEngine
@@ -37,6 +38,7 @@ ENGINES: dict[str, type[Engine]] = {
         JaxEngine,
         OpenAIEngine,
         VllmEngine,
+        LlamaCppEngine,
     )
 }
 

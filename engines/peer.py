@@ -10,14 +10,12 @@ the evidence adds the server's own ``startup_s``, its command, the stack it ran 
 the kernel choices its log names, and the peak resident set of each of its processes.
 
 Subclasses say which device runs which stack (``stacks``), the server's command (``command``) and what its
-log says of its kernels (``KERNEL_LINES``). The stack's environment is a folder beside the repository
-(``.venv-<stack>``, installed by ``make peers``); a missing one fails the cell with the command that
-installs it.
+log says of its kernels (``KERNEL_LINES``), and what it ran from (``provenance``). A stack that is not installed
+fails the cell with the command that installs it (``make peers``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import socket
@@ -43,13 +41,11 @@ CHECK_GRACE_S = 2.0  # after a failed request, how long to look for the peer's e
 class PeerEngineConfig(EngineConfig):
     """A peer's server, started by the cell: ``startup_timeout_s`` (seconds from start to its readiness URL
     answering), ``timeout_s`` (one request), ``threads`` (cores it computes on: None gives it torch's
-    intra-op thread count in the cell's process, what an in-process engine gets), ``venv`` (its environment:
-    None is ``.venv-<stack>`` beside the repository)."""
+    intra-op thread count in the cell's process, what an in-process engine gets)."""
 
     startup_timeout_s: float = 900.0
     timeout_s: float = 600.0
     threads: int | None = None
-    venv: str | None = None
 
     def __post_init__(self) -> None:
         positive("engine.", self, "startup_timeout_s", "timeout_s", "threads")
@@ -74,7 +70,7 @@ class PeerEngine(OpenAIEngine):
     """A peer's OpenAI-compatible server, started by ``load`` and stopped by ``close`` (module docstring)."""
 
     peer: ClassVar[str]  # the peer's name in messages and evidence
-    stacks: ClassVar[dict[str, str]]  # device kind -> the stack (locks/<stack>.txt, .venv-<stack>)
+    stacks: ClassVar[dict[str, str]]  # device kind -> the stack it runs there (a lock or build under locks/)
     ready_path: ClassVar[str] = "/health"
     KERNEL_LINES: ClassVar[re.Pattern[str]]  # what the peer's log says of the kernels it chose
 
@@ -89,30 +85,22 @@ class PeerEngine(OpenAIEngine):
     def local_processes(cls, engine_cfg: Any) -> list[int]:
         return []  # the peer is the cell's child: its CPU seconds come back as the cell's own when it is stopped
 
-    @property
-    def stack(self) -> str:
-        return self.stacks[self.ctx.device.kind]
-
-    def venv(self) -> Path:
-        """The peer's environment; a missing one fails the cell, naming the command that installs it."""
-        venv = Path(self.ctx.engine_cfg.venv) if self.ctx.engine_cfg.venv else REPO / f".venv-{self.stack}"
-        if not (venv / "bin" / "python").exists():
-            raise ConfigError(f"engine {self.name}: its environment {venv} is not installed; `make peers "
-                              f"PEERS={self.stack}` installs it from locks/{self.stack}.txt")  # fmt: skip
-        return venv
-
     def threads(self) -> int:
         import torch
 
         return self.ctx.engine_cfg.threads or torch.get_num_threads()
 
     @abstractmethod
-    def command(self, venv: Path, port: int) -> tuple[list[str], dict[str, str]]:
-        """The server's argv and the environment variables it needs beside the cell's own."""
+    def command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        """The server's argv and the environment variables it needs beside the cell's own (files it needs made)."""
+
+    @abstractmethod
+    def provenance(self) -> dict[str, Any]:
+        """What the peer ran from (its stack or build) and on (its weights), for the evidence."""
 
     def load(self) -> None:
-        venv, port = self.venv(), free_port()
-        argv, extra = self.command(venv, port)
+        port = free_port()
+        argv, extra = self.command(port)
         self.argv, self.extra_env = argv, extra
         log = Path(self.ctx.cache_dir) / "peers" / f"{self.name}-{port}-{int(time.time())}.log"
         self.server = ServerGroup(f"peer {self.name} ({self.peer})", argv, {**os.environ, **extra}, log)
@@ -155,13 +143,11 @@ class PeerEngine(OpenAIEngine):
             self.left_after_stop = self.server.stop()
 
     def describe(self) -> dict[str, Any]:
-        lock = REPO / "locks" / f"{self.stack}.txt"
         kernels = sorted({m.group(0).strip() for m in self.KERNEL_LINES.finditer(tail(self.server.log, 10**6))})
         return {
             **super().describe(),
             "peer": self.peer,
-            "stack": {"name": self.stack, "lock": f"locks/{self.stack}.txt",
-                      "lock_sha256_16": hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else None},
+            **self.provenance(),
             "command": self.argv,
             "environment_set": self.extra_env,
             "threads": self.threads(),

@@ -14,22 +14,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decodebench.config import Tables, positive
-from engines.peer import PeerEngine, PeerEngineConfig, core_list
+from decodebench.config import ConfigError, Tables, positive
+from engines.peer import REPO, PeerEngine, PeerEngineConfig, core_list
 
 
 @dataclass
 class VllmEngineConfig(PeerEngineConfig):
     """vLLM's server (module docstring): ``compile`` (False: ``--enforce-eager``), ``kv_cache_gib`` (a CPU's
-    KV cache, GiB)."""
+    KV cache, GiB), ``venv`` (its environment: None is ``.venv-<stack>`` beside the repository)."""
 
     compile: bool = True
     kv_cache_gib: float = 1.0
+    venv: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,8 +58,26 @@ class VllmEngine(PeerEngine):
     def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
         return Tables.bf16  # the W4A16 twin (module docstring)
 
-    def command(self, venv: Path, port: int) -> tuple[list[str], dict[str, str]]:
-        cfg, run_model = self.ctx.engine_cfg, self.ctx.model_cfg
+    @property
+    def stack(self) -> str:
+        return self.stacks[self.ctx.device.kind]
+
+    def venv(self) -> Path:
+        """The stack's environment; a missing one fails the cell, naming the command that installs it."""
+        venv = Path(self.ctx.engine_cfg.venv) if self.ctx.engine_cfg.venv else REPO / f".venv-{self.stack}"
+        if not (venv / "bin" / "python").exists():
+            raise ConfigError(f"engine {self.name}: its environment {venv} is not installed; `make peers "
+                              f"PEERS={self.stack}` installs it from locks/{self.stack}.txt")  # fmt: skip
+        return venv
+
+    def provenance(self) -> dict[str, Any]:
+        lock = REPO / "locks" / f"{self.stack}.txt"
+        digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else None
+        return {"stack": {"name": self.stack, "lock": f"locks/{self.stack}.txt", "lock_sha256_16": digest},
+                "weights": {"twin": "ct-text", "path": str(self.checkpoint.path)}}  # fmt: skip
+
+    def command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        cfg, run_model, venv = self.ctx.engine_cfg, self.ctx.model_cfg, self.venv()
         argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.checkpoint.path), "--served-model-name", str(run_model.name),
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", str(self.ctx.dtype).removeprefix("torch."),

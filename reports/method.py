@@ -17,7 +17,8 @@ Fields and where a measured row's value comes from:
   keeps every linear, ``table4`` and ``engine.per_layer_table=int4`` the per-layer table.
 * ``read_every``: 0 (tokens read back at the end) or k (streamed every k tokens); a served cell's is the
   server's (at least 1).
-* ``served``: ``served`` (experiment ``serve``, or an engine measured through an endpoint: ``openai``, ``vllm``)
+* ``served``: ``served`` (experiment ``serve``, or an engine measured through an endpoint: ``openai``,
+  ``vllm``, ``llamacpp``)
   or ``bare``.
 * ``experiment``: what made the figure: ``decode`` (warm calls on the run's prompt; a ``default`` cell's
   decode part), ``recall`` (one of the recall prompts) or ``serve``.
@@ -61,8 +62,9 @@ INTEGERS = ("read_every", "context", "max_new_tokens")
 # with one mode only): Transformers' generate runs eager, fuse under defer-and-fuse, the stepping engines and
 # JAX compile their step.
 ENGINE_MODES = {"generate": "eager", "static": "eager", "rust": "eager", "fuse": "fuse", "compiled": "compiled",
-                "table4": "compiled", "ring": "compiled", "jax": "compiled", "vllm": "eager"}  # fmt: skip
-ENDPOINT_ENGINES = ("openai", "vllm")  # engines measured through an OpenAI endpoint: every figure is served
+                "table4": "compiled", "ring": "compiled", "jax": "compiled", "vllm": "eager",
+                "llamacpp": "eager"}  # fmt: skip
+ENDPOINT_ENGINES = ("openai", "vllm", "llamacpp")  # engines measured through an OpenAI endpoint: every figure is served
 PER_LAYER, EMBED = "embed_tokens_per_layer", "embed_tokens"  # the two vocabulary tables an engine may keep packed
 SERVE = "serve"  # the experiment whose figures are served
 DECODE, DEFAULT, RECALL = "decode", "default", "recall"  # ``default`` runs decode, then recall
