@@ -23,6 +23,7 @@ from reports.tables.boot import boot_runs
 from reports.tables.cells import load as load_evidence
 from reports.tables.decode import decode_table, left_out
 from reports.tables.load import load_table
+from reports.tables.peers import peer_tables
 from reports.tables.profile import profile_table
 from reports.tables.recall import recall_table
 from reports.tables.serving import serve_table
@@ -156,6 +157,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         cells=cells,
         decode=arithmetic.with_derived_columns(decode, measured),
         decode_left_out=left_out(every_row),
+        peers=peer_tables(every_row, ev.records, noise.floors(pairs)),
         verdict_table=verdicts.table(cells, judged),
         aa_pairs=pairs,
         noise_floors=noise.floors(pairs),

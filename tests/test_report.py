@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +19,7 @@ from reports import arithmetic, noise, published, render, verdicts
 from reports.tables import cells
 from reports.tables.bench import bench_table
 from reports.tables.decode import decode_table
+from reports.tables.peers import peer_tables
 from reports.tables.recall import recall_table
 from runner import run_cell
 from tests.conftest import REPO, e2b_text_config
@@ -733,3 +735,107 @@ def test_cells_of_other_code_are_never_pooled_nor_divided_by_each_other(tmp_path
         "b" * 12 + "+0123456789abcdef"
     )
     assert cells.code({"git_sha": None}) == "", "evidence that names no commit is one group, as before"
+
+
+PEER_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+def peer_record(
+    engine: str,
+    values: tuple[float, ...],
+    *,
+    quant: str | None = None,
+    startup_s: float = 30.0,
+    rss: int = 3_400_000_000,
+) -> dict:
+    """A peer's decode cell: ``cell_record`` with the ``engine`` block a peer describes itself with
+    (``engines.peer``; a llama.cpp q4_* file keeps its linears 4-bit)."""
+    record = cell_record(engine, values, settings={"quant": quant} if quant else None)
+    weights = {"twin": "ct-text", "path": "/twins/m-ct-text"}
+    if quant:
+        weights |= {"quant": quant, "gguf_bytes": 1_500_000_000, "conversion_s": None}
+    record["engine"] = {"peer": PEER_NAMES[engine], "startup_s": startup_s, "weights": weights,
+                        "memory": {"peak_rss_bytes_sum": rss, "processes": []},
+                        "version": {"path": "/version", "answer": "1.0"},
+                        **({"kept_4bit": ["linears"]} if quant and quant.startswith("q4") else {})}  # fmt: skip
+    return record
+
+
+def by_hand(top: tuple[float, float], bottom: tuple[float, float]) -> tuple[float, float, float]:
+    """median(top) / median(bottom) and its 95% interval for two samples a side: a resampled median is the low
+    sample, the middle or the high one (chances 1/4, 1/2, 1/4), so each extreme ratio has a chance of 1/16 > 2.5%
+    and the percentile interval is exactly [min(top) / max(bottom), max(top) / min(bottom)]."""
+    return (sum(top) / 2) / (sum(bottom) / 2), min(top) / max(bottom), max(top) / min(bottom)
+
+
+def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_precision(tmp_path):
+    q4, q8, vllm, dense, int4 = (40.0, 44.0), (45.0, 47.0), (35.0, 36.0), (30.0, 32.0), (60.0, 64.0)
+    int4_cell = cell_record("ring", int4, settings={"weights": "int4"})
+    int4_cell["measurements"]["memory_peak_rss"] = {"value": 1_250_000_000, "unit": "B", "counter": "VmHWM"}
+    other_model = cell_record("ring", (70.0, 71.0), sweep="t")  # a faster VALID way of another model: no peer there
+    other_model["config"]["model"]["name"] = "other"
+    write(
+        tmp_path,
+        *(cell_record(e, experiment="parity") for e in ("ring", "compiled", "vllm")),
+        cell_record("ring", experiment="parity", settings={"weights": "int4"}),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "q4_0"}),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "q8_0"}, verdict="fail"),
+        cell_record("ring", dense),
+        int4_cell,
+        cell_record("compiled", (20.0, 21.0)),  # dense, slower than ring: not shown
+        cell_record("generate", (100.0, 101.0)),  # the fastest, but INVALID (no parity check): not shown
+        peer_record("llamacpp", q4, quant="q4_0", startup_s=12.5, rss=2_000_000_000),
+        peer_record("llamacpp", q8, quant="q8_0"),  # faster than q4_0, but INVALID: not the fastest peer
+        peer_record("vllm", vllm, startup_s=38.0),
+        other_model,
+    )
+    ev, _, decode = judged(tmp_path)
+    (table,) = peer_tables(decode, ev.records)
+    assert table.title == "m on cpu (cpu), synthetic weights: context 256, N=8, P=10, env env-a"
+    assert list(table.rows.way) == ["ring·int4", "llama.cpp q8_0", "llama.cpp q4_0", "vLLM", "ring·dense"]
+    rows = table.rows.set_index("way")
+    assert table.fastest_peer == "llama.cpp q4_0" and rows.loc["llama.cpp q4_0"].x_shown == "–"
+    assert rows.loc["llama.cpp q4_0"].x_fastest_peer is None
+    for way, samples in (("ring·int4", int4), ("llama.cpp q8_0", q8), ("vLLM", vllm), ("ring·dense", dense)):
+        ratio = rows.loc[way].x_fastest_peer.interval
+        assert (ratio.value, ratio.low, ratio.high) == pytest.approx(by_hand(samples, q4)), way
+        assert rows.loc[way].decode.value == statistics.median(samples)
+    assert rows.loc["ring·int4"].x_shown == "1.48x [1.36, 1.60] n=2/2"  # 62/42, 60/44, 64/40
+    assert list(rows.verdict) == ["VALID", "INVALID: its parity check failed", "VALID", "VALID", "VALID"]
+    assert (rows.loc["llama.cpp q4_0"].startup_s, rows.loc["vLLM"].startup_s, rows.loc["ring·int4"].startup_s) == (
+        12.5, 38.0, 1.0)  # fmt: skip
+    assert rows.loc["llama.cpp q4_0"].memory_peak_bytes == 2_000_000_000
+    assert rows.loc["ring·int4"].memory_peak_bytes == 1_250_000_000
+    assert rows.loc["llama.cpp q4_0"].weights == "GGUF q4_0, 1.50 GB" and rows.loc["vLLM"].weights == "ct-text twin"
+    assert rows.loc["ring·int4"].weights.endswith("4-bit: all linears")
+    assert table.verdict == (
+        "The fastest VALID in-process way (ring·int4) decodes 1.48x [1.36, 1.60] n=2/2 the rate of the fastest "
+        "peer (llama.cpp q4_0): ahead of it."
+    )
+    (dense_only,) = peer_tables(decode[decode.engine_config != "weights=int4"], ev.records)
+    assert dense_only.verdict == (  # 31/42, 30/44, 32/40
+        "The fastest VALID in-process way (ring·dense) decodes 0.74x [0.68, 0.80] n=2/2 the rate of the fastest "
+        "peer (llama.cpp q4_0): behind it."
+    )
+    assert peer_tables(decode[decode.model == "other"], ev.records) == []
+
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    report = result.report.read_text()
+    peers = report[report.index("## Peers") : report.index("\n## ", report.index("## Peers"))]
+    assert peers.count("\n### ") == 1 and f"### {table.title}" in peers and "### other" not in peers
+    assert table.verdict in peers
+    int4_line = (
+        "| ring·int4 | weights=int4 | bfloat16 | 62.00 [60.00, 64.00] n=2 | 1.48x [1.36, 1.60] n=2/2 | 1.0 | 1.25 |"
+    )
+    q4_line = (
+        "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
+    )
+    assert f"{int4_line} VALID |" in peers and f"{q4_line} 1.50 GB |" in peers
+
+
+def test_a_report_without_peers_says_so_and_renders_no_peers_table(tmp_path):
+    write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring"))
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    report = result.report.read_text()
+    peers = report[report.index("## Peers") : report.index("\n## ", report.index("## Peers"))]
+    assert "No peer decode cell was measured" in peers and "\n### " not in peers and "| way |" not in peers
