@@ -132,15 +132,17 @@ reproduce: setup
 	$(MAKE) --no-print-directory report
 
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
-# each cell in its own process, one at a time): decode, then each setting's bf16 parity. PEERS_MODEL, PEERS_SWEEP.
+# each cell in its own process, one at a time): decode at N=64, then each setting's bf16 parity at N=16. At N=16 the
+# ring's 1-token call (the prompt read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than
+# the 15 tokens' decode took, and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP.
 PEERS_MODEL ?= e2b-synthetic
 PEERS_SWEEP ?= peers-$(PEERS_MODEL)
-PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP) max_new_tokens=16
+PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP)
 peers-sweep: setup
-	@for experiment in decode parity-bf16; do \
-	  $(PEERS_RUN) experiment=$$experiment engine=ring engine.weights=dense,int4 && \
-	  $(PEERS_RUN) experiment=$$experiment engine=llamacpp engine.quant=bf16,q8_0,q4_0 && \
-	  $(PEERS_RUN) experiment=$$experiment engine=vllm || exit 1; \
+	@for step in "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max_new_tokens=16"; do \
+	  $(PEERS_RUN) $$step engine=ring engine.weights=dense,int4 && \
+	  $(PEERS_RUN) $$step engine=llamacpp engine.quant=bf16,q8_0,q4_0 && \
+	  $(PEERS_RUN) $$step engine=vllm || exit 1; \
 	done
 	$(MAKE) --no-print-directory report
 

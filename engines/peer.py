@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import torch
+
 from decodebench.config import ConfigError, EngineConfig, positive
 from decodebench.device import Device
 from decodebench.process_group import ServerGroup, tail
@@ -86,8 +88,7 @@ class PeerEngine(OpenAIEngine):
         return []  # the peer is the cell's child: its CPU seconds come back as the cell's own when it is stopped
 
     def threads(self) -> int:
-        import torch
-
+        """The cores the peer computes on (``engine.threads``, or torch's intra-op threads in the cell)."""
         return self.ctx.engine_cfg.threads or torch.get_num_threads()
 
     @abstractmethod
