@@ -107,6 +107,7 @@ class LlamaCppEngine(PeerEngine):
                             "quant": self.ctx.engine_cfg.quant, "gguf_bytes": self.weights.stat().st_size,
                             "conversion_s": self.conversion_s},
                 "kept_4bit": ["linears"] if self.ctx.engine_cfg.quant.startswith("q4") else [],
+                "linears": self.ctx.engine_cfg.quant,
                 "timings": self.timings}  # fmt: skip
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:

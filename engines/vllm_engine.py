@@ -74,7 +74,8 @@ class VllmEngine(PeerEngine):
         lock = REPO / "locks" / f"{self.stack}.txt"
         digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else None
         return {"stack": {"name": self.stack, "lock": f"locks/{self.stack}.txt", "lock_sha256_16": digest},
-                "weights": {"twin": "ct-text", "path": str(self.checkpoint.path)}}  # fmt: skip
+                "weights": {"twin": "ct-text", "path": str(self.checkpoint.path)},
+                "linears": "w4a16"}  # fmt: skip
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         cfg, run_model, venv = self.ctx.engine_cfg, self.ctx.model_cfg, self.venv()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,17 +258,33 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+# Bytes a linear weight is read at, by how the engine holds its linears (the cells' ``weights``), given the run
+# dtype's bytes: ``dense`` at that dtype; ``int4`` (``engine.weights=int4``) half a byte plus a scale and a zero per 32
+# weights in the run's dtype, as the project's kernels hold them; a peer's own formats as its evidence names them
+# (``engine.linears``): vLLM's W4A16 half a byte plus a bf16 scale per 32 (symmetric), llama.cpp's GGUF types by their
+# block sizes (q8_0: 32 int8 and an fp16 scale in 34 bytes; q4_0: 18 bytes per 32; q4_K: 144 bytes per 256, its
+# lm_head q6_K counted at that rate too), bf16 and f32 whole.
+HELD_BYTES: dict[str, Callable[[int], float]] = {
+    "dense": lambda dtype_bytes: dtype_bytes,
+    "int4": lambda dtype_bytes: 0.5 + 2 * dtype_bytes / 32,
+    "w4a16": lambda _: 0.5 + 2 / 32,
+    "q8_0": lambda _: 34 / 32,
+    "q4_0": lambda _: 18 / 32,
+    "q4_k_m": lambda _: 144 / 256,
+    "bf16": lambda _: 2,
+    "f32": lambda _: 4,
+}
+
+
 def bytes_per_token(
-    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int, int4_linears: bool = False
+    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int, weights: str = "dense"
 ) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``, in bytes.
 
     ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
     MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
     (one row each); each layer reads its source cache over min(position, window) sliding or
-    position full slots. With ``int4_linears`` (``engine.weights=int4``) every linear, ``lm_head``
-    included, reads half a byte per weight plus a scale and a zero per 32 weights in the run's
-    dtype, as the kernels hold them.
+    position full slots. Every linear, ``lm_head`` included, is read at ``HELD_BYTES[weights]`` bytes a weight.
     """
     h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
     vocab, window = shape["vocab_size"], shape["sliding_window"]
@@ -282,7 +299,7 @@ def bytes_per_token(
     linear += h * len(layers) * ple  # per_layer_model_projection
 
     def held(params: float) -> float:  # bytes a weight matrix is read at
-        return params / 2 + params / 32 * 2 * dtype_bytes if int4_linears else params * dtype_bytes
+        return params * HELD_BYTES[weights](dtype_bytes)
 
     parts = {
         "linears": held(linear + ple_proj),
@@ -309,13 +326,14 @@ def token_bytes(
     model: dict[str, Any], dtype: str, prompt_tokens: Any, max_new_tokens: Any, weights: str
 ) -> TokenBytes | None:
     """``bytes_per_token`` of a cell from its evidence (the model block's shape and layers, its dtype, prompt
-    and N, ``engine.weights``); None when the evidence lacks the layout or the prompt's length."""
+    and N, how the linears are held: ``HELD_BYTES``); None when the evidence lacks the layout or the prompt's length,
+    or names a holding this module cannot count."""
     if not model.get("layers") or _missing(prompt_tokens) or _missing(max_new_tokens) or dtype not in DTYPE_BYTES:
         return None
     position = int(prompt_tokens + max_new_tokens // 2)
-    weight, kv, parts = bytes_per_token(
-        model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights == "int4"
-    )
+    if weights not in HELD_BYTES:
+        return None
+    weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights)
     return TokenBytes(weight + kv, kv, parts, position)
 
 
@@ -329,12 +347,12 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
         )
         if read is None or _missing(row.bandwidth_gb_s):
             continue
-        int4 = row.weights == "int4"
+        held = row["dtype"] if row.weights == "dense" else f"{row.weights} + scales"
         label = row.key
         entries.append(
             Entry(
                 f"bytes-per-token/{row.engine}/{label}",
-                f"bytes read per decoded token by {row.engine} (linears {'int4 + scales' if int4 else row['dtype']}, "
+                f"bytes read per decoded token by {row.engine} (linears {held}, "
                 f"the rest at the engine's resident {row['dtype']} precision, KV at position {read.position})",
                 "linears + lm_head + embedding rows + KV(position)",
                 [

@@ -128,6 +128,18 @@ def _nothing_left_running():
     assert not left, f"processes the tests started are still running (now killed): {left}"
 
 
+def check_streaming(engine: Any, ids: list[int], n: int = 6) -> list[int]:
+    """A streamed call hands over the same ids as a whole call, batch by batch, and a false return from the hook
+    stops it before ``n``; the whole call's ids."""
+    whole = engine.generate(ids, n).tokens
+    batches: list[list[int]] = []
+    assert engine.generate(ids, n, on_tokens=lambda b: batches.append(b) is None).tokens == whole
+    assert [t for b in batches for t in b] == whole and len(whole) == n
+    stopped = engine.generate(ids, n, on_tokens=lambda b: False)
+    assert stopped.tokens == whole[: len(stopped.tokens)] and len(stopped.tokens) < n
+    return whole
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")

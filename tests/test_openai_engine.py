@@ -17,7 +17,7 @@ from decodebench.environment import Contention
 from engines.openai_engine import OpenAIEngine, OpenAIEngineConfig
 from experiments.parity import compare_top
 from runner import run_cell
-from tests.conftest import held_pairs, opened
+from tests.conftest import check_streaming, held_pairs, opened
 from tests.test_serve import serving_engine
 
 SECRET = "sk-decodebench-test-secret"
@@ -50,13 +50,7 @@ def test_a_decode_cell_through_the_endpoint_writes_the_engines_own_tokens(cell_c
 
 def test_streamed_calls_hand_over_each_chunks_ids_and_stop_when_told(cache_dir, endpoint):
     engine = opened(f"cache_dir={cache_dir}", f"engine.url={endpoint['url']}/v1", "engine=openai").load()
-    ids = [2, 10, 11, 12]
-    whole = engine.generate(ids, 6).tokens
-    batches: list[list[int]] = []
-    assert engine.generate(ids, 6, on_tokens=lambda b: batches.append(b) is None).tokens == whole
-    assert [t for b in batches for t in b] == whole and len(whole) == 6
-    stopped = engine.generate(ids, 6, on_tokens=lambda b: False)
-    assert stopped.tokens == whole[: len(stopped.tokens)] and len(stopped.tokens) < 6
+    check_streaming(engine, [2, 10, 11, 12])
     with pytest.raises(RuntimeError, match="returned text without token_ids"):  # a server without vLLM's field
         engine._ids(SimpleNamespace(model_extra={}, text="the tide"))
 

@@ -14,6 +14,7 @@ from decodebench.config import ConfigError
 from decodebench.process_group import alive, members
 from engines.vllm_engine import VllmEngine, cores_spec
 from runner import run_cell
+from tests.conftest import check_streaming, opened
 
 REPO = Path(__file__).resolve().parents[1]
 EAGER = "engine.compile=false"  # vLLM's compile adds minutes on two cores and nothing to what these tests check
@@ -108,17 +109,9 @@ def test_a_llamacpp_peer_on_gguf_from_the_twin_writes_exactly_n_tokens_equal_to_
 def test_a_llamacpp_peer_streams_each_token_and_stops_when_told(cache_dir, tiny):
     """Streamed calls hand over the ids as they come and the same ids as a whole call; a false return stops it;
     llama.cpp's own 4-bit GGUF is made from the bf16 one by its quantizer and served too."""
-    from tests.conftest import opened
-
     engine = opened(f"cache_dir={cache_dir}", "engine=llamacpp", E2B_LAYOUT, "engine.quant=q4_0").load()
     try:
-        ids = [2, 10, 11, 12]
-        whole = engine.generate(ids, 6).tokens
-        batches: list[list[int]] = []
-        assert engine.generate(ids, 6, on_tokens=lambda b: batches.append(b) is None).tokens == whole
-        assert [t for b in batches for t in b] == whole and len(whole) == 6
-        stopped = engine.generate(ids, 6, on_tokens=lambda b: False)
-        assert stopped.tokens == whole[: len(stopped.tokens)] and len(stopped.tokens) < 6
+        check_streaming(engine, [2, 10, 11, 12])
         assert engine.describe()["weights"]["gguf"].endswith("q4_0.gguf")
     finally:
         engine.close()

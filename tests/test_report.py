@@ -362,11 +362,15 @@ def test_published_figures_print_as_printed_and_recall_in_the_articles_shape():
 def test_an_int4_cell_is_credited_with_int4_bytes_only():
     model = e2b_model_block()
     _, _, dense = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000)
-    _, _, packed = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000, int4_linears=True)
+    _, _, packed = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000, "int4")
     params = 1_876_819_968  # the quantizable linears of E2B (notes 1.5)
     assert packed["linears"] == params / 2 + params / 32 * 2 * 2  # half a byte, plus a bf16 scale and zero per 32
     assert packed["lm_head"] == 262144 * 1536 / 2 + 262144 * 1536 / 32 * 2 * 2  # lm_head is int4 too
     assert packed["linears"] < dense["linears"] / 3
+    _, _, q4_0 = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000, "q4_0")  # llama.cpp's GGUF
+    _, _, q8_0 = arithmetic.bytes_per_token(model["shape"], model["layers"], 2, 1000, "q8_0")
+    assert q4_0["linears"] == params * 18 / 32 and q8_0["linears"] == params * 34 / 32  # its block sizes
+    assert arithmetic.token_bytes(model, "bfloat16", 20, 16, "q5_1") is None  # a holding it cannot count
 
 
 def test_bench_table_reads_pytest_benchmark_json(tmp_path):

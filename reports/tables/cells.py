@@ -210,7 +210,8 @@ def _values(r: evidence.Record, name: str) -> list[float]:
 
 def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     """One cell file as a row. ``weights``: how the engine holds its linears (``engine.weights``, dense or
-    int4); ``tables``: the checkpoint's own account of its weights (``model.tables_description``, or
+    int4; a peer's own format, its evidence's ``engine.linears``, else ``engine.quant``); ``tables``: the
+    checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
     measurement's earlier name ``new_tokens`` the same way; ``method``: the cell's method key
     (``reports.method.of_record``). ``replica`` (the A/A copy) is 0 where the
@@ -276,7 +277,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "checks": r.outputs.get("checks"),
         "contention": env.get("contention"),
         "tables": r.model.get("tables_description", r.model.get("weights")),
-        "weights": cfg["engine"].get("weights", "dense"),
+        "weights": cfg["engine"].get("weights") or r.engine.get("linears") or cfg["engine"].get("quant") or "dense",
         "utc_time": env.get("utc_time"),
         "cpu_model": env.get("cpu_model"),
         "cpu_flags": " ".join(env.get("cpu_flags") or []),
