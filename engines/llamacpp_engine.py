@@ -8,7 +8,8 @@ makes from the run's W4A16 twin.
   llama.cpp's own 4-bit formats (its tied embedding and per-layer table come out q6_K), not the twin's W4A16 groups,
   so the evidence names the quantization. Made on first use under ``<cache_dir>/gguf/<twin digest>-<source digest>/``
   and kept; ``conversion_s`` records the seconds when this cell made them (they count in its load).
-* The server: ``llama-server -m <gguf> -c <context> -t <threads> -np 1`` on a loopback port, no web UI.
+* The server: ``llama-server -m <gguf> -c <context x slots> -t <threads> -np <slots>`` on a loopback port, no web
+  UI: ``engine.slots`` requests decode together (one by default: one request at a time, as every way here).
 * Calls: llama.cpp's own ``/completion``: the prompt as ids, ``n_predict`` = N with ``ignore_eos`` (exactly N),
   ``return_tokens`` (the ids back), temperature 0 and ``top_k`` 1 (greedy), ``n_probs`` 5 for parity (ids with their
   log-probabilities); streamed as server-sent events when a hook listens. The server's own timer of the last
@@ -30,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from decodebench.config import ConfigError, Tables
+from decodebench.config import ConfigError, Tables, at_least
 from engines.base import EngineLimit, Generation, OnTokens
 from engines.llamacpp_build import built, source
 from engines.openai_engine import NO_LOGITS
@@ -42,12 +43,15 @@ CONVERTED = ("f32", "bf16", "q8_0")  # what the converter writes itself; the res
 
 @dataclass
 class LlamaCppEngineConfig(PeerEngineConfig):
-    """llama.cpp's server (module docstring): ``quant``, the GGUF it serves (one of ``QUANTS``)."""
+    """llama.cpp's server (module docstring): ``quant``, the GGUF it serves (one of ``QUANTS``); ``slots``, the
+    requests it decodes together (``-np``: its continuous batching), each slot holding the run's whole context."""
 
     quant: str = "q4_0"
+    slots: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        at_least("engine.", self, 1, "slots")
         if self.quant not in QUANTS:
             raise ConfigError(f"engine.quant={self.quant} is not one llama.cpp serves here; valid: {', '.join(QUANTS)}")
 
@@ -111,12 +115,13 @@ class LlamaCppEngine(PeerEngine):
                 "timings": self.timings}  # fmt: skip
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        cfg = self.ctx.engine_cfg
         self.weights, self.timings = self.gguf(), None
         server = Path(built()["folder"]) / "build" / "bin" / "llama-server"
         threads = str(self.threads())
         argv = [str(server), "-m", str(self.weights), "--host", "127.0.0.1", "--port", str(port),
-                "-c", str(self.ctx.context), "-t", threads, "--threads-batch", threads, "-np", "1",
-                "--alias", str(self.ctx.model_cfg.name), "--no-webui"]  # fmt: skip
+                "-c", str(self.ctx.context * cfg.slots), "-np", str(cfg.slots), "-t", threads,
+                "--threads-batch", threads, "--alias", str(self.ctx.model_cfg.name), "--no-webui"]  # fmt: skip
         return argv, {}
 
     def _body(self, prompt_ids: list[int], max_new_tokens: int, **fields: Any) -> dict[str, Any]:

@@ -116,3 +116,15 @@ def test_a_llamacpp_peer_streams_each_token_and_stops_when_told(cache_dir, tiny)
     finally:
         engine.close()
     assert not members(engine.server.pgid)
+
+
+def test_a_llamacpp_peer_under_load_decodes_its_slots_together(cell_cfg, tiny):
+    """``engine.slots`` takes effect: the server holds that many requests, each with the run's whole context, and
+    AIPerf's levels run through its OpenAI routes with exactly N tokens a request."""
+    record = run_cell(cell_cfg("engine=llamacpp", E2B_LAYOUT, "engine.slots=4", "experiment=load", "max_new_tokens=8",
+                               "experiment.concurrency=[1,4]", "experiment.requests=4"))  # fmt: skip
+    assert record["status"] == "ok", record["reason"]
+    command = record["engine"]["command"]
+    assert command[command.index("-np") + 1] == "4" and command[command.index("-c") + 1] == str(4 * 256)
+    assert [level["level"] for level in record["outputs"]["levels"]] == ["c1", "c4"]
+    assert not any(alive(p["pid"]) for p in record["engine"]["memory"]["processes"])
