@@ -94,13 +94,15 @@ def build() -> dict[str, Any]:
     unpacked.joinpath("llama.cpp").rename(source(folder))
     shutil.rmtree(unpacked)
     cores = str(len(os.sched_getaffinity(0)))
-    subprocess.run(["cmake", "-S", str(source(folder)), "-B", str(folder / "build"), "-G", "Ninja", *CMAKE_FLAGS],
+    generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"  # ninja where the machine has it, else make
+    subprocess.run(["cmake", "-S", str(source(folder)), "-B", str(folder / "build"), "-G", generator, *CMAKE_FLAGS],
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     subprocess.run(["cmake", "--build", str(folder / "build"), "-j", cores, "--target", *TARGETS], check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    record = {"source": requirement, "sha256": digest, "cmake_flags": list(CMAKE_FLAGS), "compiler": compiler,
-              "targets": list(TARGETS), "build_s": round(time.monotonic() - began, 1)}  # fmt: skip
+    record = {"source": requirement, "sha256": digest, "cmake_flags": list(CMAKE_FLAGS), "generator": generator,
+              "compiler": compiler, "targets": list(TARGETS),
+              "build_s": round(time.monotonic() - began, 1)}  # fmt: skip
     (folder / "build.json").write_text(json.dumps(record, indent=1) + "\n")
     return built()
 
