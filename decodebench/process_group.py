@@ -231,11 +231,14 @@ def guard(parent: int, argv: list[str], sleep: Callable[[float], None] = time.sl
             if pid == server.pid:
                 status = os.waitstatus_to_exitcode(raw)
                 server.returncode = status
-        others = [pid for pid in members(os.getpgid(0)) if pid != os.getpid()]
-        if status is not None and not others:
-            return status if status >= 0 else 128 - status
         caller_gone, server_gone = os.getppid() != parent, status is not None
-        if (caller_gone or server_gone) and ending_since is None:  # stop what is left of the group
+        if not (caller_gone or server_gone):  # serving: no /proc scan while the caller times its calls
+            sleep(POLL_S)
+            continue
+        others = [pid for pid in members(os.getpgid(0)) if pid != os.getpid()]
+        if server_gone and not others:
+            return status if status >= 0 else 128 - status
+        if ending_since is None:  # stop what is left of the group
             ending_since = time.monotonic()
             for pid in others:
                 kill(pid, signal.SIGTERM)

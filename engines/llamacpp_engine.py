@@ -77,7 +77,7 @@ class LlamaCppEngine(PeerEngine):
 
     def gguf(self) -> Path:
         """The GGUF ``engine.quant`` names, made from the twin on first use (seconds in ``self.conversion_s``)."""
-        made, quant = built(), self.ctx.engine_cfg.quant
+        made, quant = self.build, self.ctx.engine_cfg.quant
         folder = Path(self.ctx.cache_dir) / "gguf" / f"{twin_digest(self.checkpoint.path)}-{made['sha256'][:12]}"
         target = folder / f"{quant}.gguf"
         self.conversion_s = None
@@ -105,7 +105,7 @@ class LlamaCppEngine(PeerEngine):
         Path(str(out) + ".part").rename(out)
 
     def provenance(self) -> dict[str, Any]:
-        made = built()
+        made = self.build
         return {"build": {k: made[k] for k in ("source", "sha256", "cmake_flags", "compiler", "build_s")},
                 "weights": {"twin": "ct-text", "path": str(self.checkpoint.path), "gguf": str(self.weights),
                             "quant": self.ctx.engine_cfg.quant, "gguf_bytes": self.weights.stat().st_size,
@@ -115,9 +115,10 @@ class LlamaCppEngine(PeerEngine):
                 "timings": self.timings}  # fmt: skip
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
-        cfg = self.ctx.engine_cfg
+        cfg, self.build = self.ctx.engine_cfg, built()
         self.weights, self.timings = self.gguf(), None
-        server = Path(built()["folder"]) / "build" / "bin" / "llama-server"
+        self.http = httpx.Client(base_url=self.root_of(port), timeout=cfg.timeout_s)  # one connection, as openai's
+        server = Path(self.build["folder"]) / "build" / "bin" / "llama-server"
         threads = str(self.threads())
         argv = [str(server), "-m", str(self.weights), "--host", "127.0.0.1", "--port", str(port),
                 "-c", str(self.ctx.context * cfg.slots), "-np", str(cfg.slots), "-t", threads,
@@ -130,7 +131,7 @@ class LlamaCppEngine(PeerEngine):
                 "temperature": 0.0, "top_k": 1, **fields}  # fmt: skip
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        reply = httpx.post(f"{self.root}/completion", json=body, timeout=self.ctx.engine_cfg.timeout_s)
+        reply = self.http.post("/completion", json=body)
         reply.raise_for_status()
         data = reply.json()
         self.timings = data.get("timings")
@@ -154,8 +155,7 @@ class LlamaCppEngine(PeerEngine):
     def _stream(self, body: dict[str, Any], on_tokens: OnTokens) -> list[int]:
         """The ids of a streamed completion, each event's handed to ``on_tokens``; a false return closes it."""
         tokens: list[int] = []
-        with httpx.stream("POST", f"{self.root}/completion", json={**body, "stream": True},
-                          timeout=self.ctx.engine_cfg.timeout_s) as reply:  # fmt: skip
+        with self.http.stream("POST", "/completion", json={**body, "stream": True}) as reply:
             reply.raise_for_status()
             for line in reply.iter_lines():
                 if not line.startswith("data: "):
@@ -171,3 +171,9 @@ class LlamaCppEngine(PeerEngine):
         data = self.watched(lambda: self._post(self._body(prompt_ids, max_new_tokens, n_probs=self.top_logprobs_k)))
         rows = data.get("completion_probabilities") or []
         return data["tokens"], [{int(t["id"]): float(t["logprob"]) for t in row["top_logprobs"]} for row in rows]
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.http.close()

@@ -106,12 +106,17 @@ class PeerEngine(OpenAIEngine):
         log = Path(self.ctx.cache_dir) / "peers" / f"{self.name}-{port}-{int(time.time())}.log"
         self.server = ServerGroup(f"peer {self.name} ({self.peer})", argv, {**os.environ, **extra}, log)
         cfg = self.ctx.engine_cfg
-        self.server.start(f"http://127.0.0.1:{port}{self.ready_path}", cfg.startup_timeout_s)
+        self.server.start(self.root_of(port) + self.ready_path, cfg.startup_timeout_s)
         try:
-            self.watched(lambda: self.connect(f"http://127.0.0.1:{port}/v1", None, None, cfg.timeout_s))
+            self.watched(lambda: self.connect(self.root_of(port) + "/v1", None, None, cfg.timeout_s))
         except BaseException:
             self.server.stop()
             raise
+
+    @staticmethod
+    def root_of(port: int) -> str:
+        """The peer's base URL on the loopback address."""
+        return f"http://127.0.0.1:{port}"
 
     def watched(self, call: Callable[[], T]) -> T:
         """``call`` (a request to the peer); when the peer is gone after it failed, the failure says so, with

@@ -27,10 +27,11 @@ from engines.peer import REPO, PeerEngine, PeerEngineConfig, core_list
 @dataclass
 class VllmEngineConfig(PeerEngineConfig):
     """vLLM's server (module docstring): ``compile`` (False: ``--enforce-eager``), ``kv_cache_gib`` (a CPU's
-    KV cache, GiB), ``venv`` (its environment: None is ``.venv-<stack>`` beside the repository)."""
+    KV cache, GiB: 1 unless set; refused, as ``threads`` is, on an accelerator, where vLLM sizes both itself),
+    ``venv`` (its environment: None is ``.venv-<stack>`` beside the repository)."""
 
     compile: bool = True
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | None = None  # None: 1 GiB on a CPU
     venv: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,8 +87,13 @@ class VllmEngine(PeerEngine):
         if not cfg.compile:
             argv.append("--enforce-eager")
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        if self.ctx.device.kind == "cpu":
+        if self.ctx.device.kind != "cpu":
+            cpu_only = [f"engine.{k}={v}" for k in ("threads", "kv_cache_gib") if (v := getattr(cfg, k)) is not None]
+            if cpu_only:  # vLLM's CPU environment variables: on an accelerator they would do nothing
+                raise ConfigError(f"{', '.join(cpu_only)} set vLLM's CPU backend only; on a {self.ctx.device.kind} "
+                                  "device vLLM sizes its cache and threads itself: drop them")  # fmt: skip
+        else:
             threads = self.threads()
             env |= {"VLLM_CPU_OMP_THREADS_BIND": cores_spec(core_list(threads)), "OMP_NUM_THREADS": str(threads),
-                    "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}"}  # fmt: skip
+                    "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib or 1:g}"}  # fmt: skip
         return argv, env

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from decodebench.config import ConfigError
 from decodebench.process_group import alive, members
@@ -128,3 +131,23 @@ def test_a_llamacpp_peer_under_load_decodes_its_slots_together(cell_cfg, tiny):
     assert command[command.index("-np") + 1] == "4" and command[command.index("-c") + 1] == str(4 * 256)
     assert [level["level"] for level in record["outputs"]["levels"]] == ["c1", "c4"]
     assert not any(alive(p["pid"]) for p in record["engine"]["memory"]["processes"])
+
+
+def test_vllms_cpu_settings_are_refused_on_an_accelerator():
+    """``engine.threads`` and ``engine.kv_cache_gib`` set vLLM's CPU environment variables: on a GPU they would do
+    nothing, so they are refused by name there, and left out of a command that sets neither."""
+    engine = object.__new__(VllmEngine)  # the command alone: no server is started
+    engine.checkpoint = SimpleNamespace(path=Path("twin"))
+
+    def on_cuda(**settings):
+        engine.ctx = SimpleNamespace(engine_cfg=VllmEngine.config(name="vllm", venv=sys.prefix, **settings),
+                                     device=SimpleNamespace(kind="cuda"), model_cfg=SimpleNamespace(name="tiny"),
+                                     dtype=torch.bfloat16, context=256)  # fmt: skip
+        return engine.command(8000)
+
+    with pytest.raises(ConfigError, match=r"engine.kv_cache_gib=2 set vLLM's CPU backend only"):
+        on_cuda(kv_cache_gib=2)
+    with pytest.raises(ConfigError, match=r"engine.threads=1 set vLLM's CPU backend only"):
+        on_cuda(threads=1)
+    argv, env = on_cuda()
+    assert not any(k.startswith("VLLM_CPU") for k in env) and argv[argv.index("--dtype") + 1] == "bfloat16"
