@@ -132,17 +132,22 @@ reproduce: setup
 	$(MAKE) --no-print-directory report
 
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
-# each cell in its own process, one at a time): decode at N=64, then each setting's bf16 parity at N=16. At N=16 the
-# ring's 1-token call (the prompt read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than
-# the 15 tokens' decode took, and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP.
+# each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
+# then load at concurrency 1, 2 and 4 (AIPerf, N=16). At N=16 the ring's 1-token call (the prompt read as one padded
+# 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode took, and a pair broke
+# T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an interrupted sweep goes
+# on where it stopped).
 PEERS_MODEL ?= e2b-synthetic
 PEERS_SWEEP ?= peers-$(PEERS_MODEL)
-PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP)
+PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP) \
+  $(if $(RESUME),resume=true)
+PEERS_STEPS := "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max_new_tokens=16" \
+  "experiment=load max_new_tokens=16"
+PEERS_ENGINES := "engine=generate,compiled,rust,jax" "engine=ring engine.weights=dense,int4" \
+  "engine=llamacpp engine.quant=bf16,q8_0,q4_0" "engine=vllm"
 peers-sweep: setup
-	@for step in "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max_new_tokens=16"; do \
-	  $(PEERS_RUN) $$step engine=ring engine.weights=dense,int4 && \
-	  $(PEERS_RUN) $$step engine=llamacpp engine.quant=bf16,q8_0,q4_0 && \
-	  $(PEERS_RUN) $$step engine=vllm || exit 1; \
+	@for step in $(PEERS_STEPS); do \
+	  for engines in $(PEERS_ENGINES); do $(PEERS_RUN) $$step $$engines || exit 1; done; \
 	done
 	$(MAKE) --no-print-directory report
 
