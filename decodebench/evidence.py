@@ -82,6 +82,8 @@ class MemoryReading:
 
 
 Measurement = Scalar | Samples | MemoryReading
+AIPERF_EXPORTS = ".aiperf"  # the folder a load cell keeps AIPerf's exports in, beside its evidence file
+KEPT_BESIDE = (AIPERF_EXPORTS,)  # folders of a tool's own files kept beside a cell's evidence: not evidence
 PEAK = "memory_peak_"  # memory_peak_<counter name>: one measurement per peak counter the device has
 
 

@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 
 from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
-from decodebench.evidence import Record, samples, scalar
+from decodebench.evidence import AIPERF_EXPORTS, Record, samples, scalar
 from experiments import recall_prompts
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
@@ -274,7 +274,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     read_every = max(cfg.read_every, 1)
     with cell.engine.reading_every(read_every):
         _, warmup_s, base = bare(cell, ids)
-    kept, kept_name = cell.beside(".aiperf")
+    kept, kept_name = cell.beside(AIPERF_EXPORTS)
 
     tokens = exp.target_tokens  # the synthetic prompts' length: the warm-up reads as many
 

@@ -8,9 +8,11 @@ published figure is paired with a view only when their keys are equal; the view'
 the one its metric names (``METRIC_QUANTITY``), or its ``definition``'s (``DEFINITION_QUANTITY``).
 
 The coverage table lists every row of every article table whose figures carry a method key: *reproduced*
-(a VALID view with the same key: measured / published), *not runnable here* (its cells were skipped, with their
-reason), *failed here*, *measured, not VALID*, *measured, not the same method* (the way's cells ran, and the
-fields that differ), or *not yet measured* (the command that runs it, or "no way runs this row yet").
+(a VALID view with the same key on the article's hardware and real weights: measured / published), *same method,
+other hardware* (the same key on other hardware or synthetic weights: no ratio), *not runnable here* (its cells
+were skipped, with their reason), *failed here*, *measured, not VALID*, *measured, not the same method* (the way's
+cells ran, and the fields that differ), or *not yet measured* (the command that runs it, or "no way runs this row
+yet"). The like-for-like pairs print a ratio only on the article's hardware and weights, too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ WAYS = REPO / "conf" / "way"
 MODELS = REPO / "conf" / "model"
 NO_PAIR = "no published row with this method"
 NO_WAY = "no way runs this row yet"
+REPRODUCED = "reproduced"  # the same method key, on the article's hardware and weights: the ratio is the comparison
+OTHER_HARDWARE = "same method, other hardware"  # the same method key elsewhere (or on synthetic weights): no ratio
 
 # A published metric -> the view quantity it is set beside (its definition aside).
 METRIC_QUANTITY = {
@@ -103,6 +107,15 @@ class View:
     valid: bool
     verdict: str  # VALID, or the verdict and every rule its files broke
     quantities: dict[str, Value] = field(default_factory=dict)
+    hardware: str | None = None  # the hardware it ran on, by its evidence's name (``tpu-v5e-1``, ``cpu``)
+    synthetic: bool = False  # measured on weights decodebench made itself
+
+
+def on_article_hardware(view: View, figure: pd.Series) -> bool:
+    """Whether a view was measured where the article's figure was: the same hardware and the real weights. The
+    method key names neither, so a view of the same key elsewhere reproduces the method, not the figure."""
+    device = figure.get("device")
+    return not view.synthetic and _present(device) and view.hardware == device
 
 
 def _present(value: Any) -> bool:
@@ -128,7 +141,8 @@ def row_view(row: pd.Series) -> View:
     }
     broken = "; ".join(dict.fromkeys(rule for v in row.left_out for rule in v.broken))
     verdict = row.verdict if row.verdict == VALID else f"{row.verdict}: {broken}"
-    return View(row.label, dict(row.method), row.verdict == VALID, verdict, quantities)
+    return View(row.label, dict(row.method), row.verdict == VALID, verdict, quantities, row.hardware,
+                bool(row.synthetic))
 
 
 def decode_views(decode: pd.DataFrame) -> list[View]:
@@ -141,7 +155,8 @@ def decode_views(decode: pd.DataFrame) -> list[View]:
         if isinstance(row.streamed, Interval) and row.read_every != 1:
             label = f"{row.label}, streamed inside the same cells (read_every=1)"
             key = {**view.key, "read_every": 1}
-            views.append(View(label, key, view.valid, view.verdict, {"decode_tok_s": row.streamed}))
+            views.append(View(label, key, view.valid, view.verdict, {"decode_tok_s": row.streamed}, view.hardware,
+                              view.synthetic))
     return views
 
 
@@ -164,7 +179,8 @@ def serve_views(records: dict[str, dict[str, Any]], verdicts: dict[str, Verdict]
         }
         verdict = verdicts[file]
         label = f"{r.config['engine']['name']} served ({r.config['model']['name']}, `{file}`)"
-        views.append(View(label, method.of_record(r), verdict.valid, verdict.text(), quantities))
+        views.append(View(label, method.of_record(r), verdict.valid, verdict.text(), quantities,
+                          (r.hardware or {}).get("name"), bool(r.model.get("synthetic"))))
     return views
 
 
@@ -172,6 +188,7 @@ def recall_views(recall: pd.DataFrame, cells: pd.DataFrame, verdicts: dict[str, 
     """Each ok recall prompt: its cell's key as a recall figure (``experiment=recall``, the prompt's own token
     count), its read and decode figures."""
     keys = dict(zip(cells.file, cells.method, strict=True))
+    where = dict(zip(cells.file, zip(cells.hardware, cells.synthetic, strict=True), strict=True))
     views = []
     for _, r in recall[recall.status == "ok"].iterrows():
         key = {**keys[r.file], "experiment": method.RECALL, "prompt": {"text": None, "tokens": r.prompt_tokens}}
@@ -180,7 +197,7 @@ def recall_views(recall: pd.DataFrame, cells: pd.DataFrame, verdicts: dict[str, 
                       "found": "yes" if r.found else "no"}  # fmt: skip
         verdict = verdicts[r.file]
         label = f"{r.engine} recall, prompt {int(r.prompt_tokens)} tokens ({r.model}, ctx {r.context}, `{r.file}`)"
-        views.append(View(label, key, verdict.valid, verdict.text(), quantities))
+        views.append(View(label, key, verdict.valid, verdict.text(), quantities, *where[r.file]))
     return views
 
 
@@ -271,7 +288,7 @@ def pairs(views: list[View], figures: pd.DataFrame) -> pd.DataFrame:
                     "measured_as": QUANTITY_LABELS[name],
                     "measured": shown(value) if value is not None else "not measured under this definition",
                     "published": f"{span(fig)} {fig.unit}",
-                    "ratio": ratio(value, fig),
+                    "ratio": ratio(value, fig) if on_article_hardware(view, fig) else OTHER_HARDWARE,
                 }
             )
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
@@ -295,10 +312,18 @@ def published_rate(view: View, figures: pd.DataFrame) -> str:
     return f"{span(fig)} ({fig.article}: {fig.table}{definition}{more})"
 
 
+def published_span(view: View, figures: pd.DataFrame) -> str:
+    """The headline's *published* column: the article's rate made the same way as printed, ``–`` when none is
+    (its article, table and definition are in the detail table and *Like for like*)."""
+    found = matching(view, figures)
+    found = found[found.metric.isin(RATE_METRICS)]
+    return "–" if found.empty else span(found.iloc[0])
+
+
 # ---------------------------------------------------------------- coverage ----------------------------------------
 
 
-def _ways(key: dict[str, Any]) -> list[str]:
+def ways_of(key: dict[str, Any]) -> list[str]:
     way = key.get("way")
     return way if isinstance(way, list) else [way] if way else []
 
@@ -320,7 +345,7 @@ def reproduce_models(folder: Path = MODELS) -> dict[str, str]:
 
 def command(key: dict[str, Any], ways: set[str], models: dict[str, str]) -> str:
     """What runs a row: ``.venv/bin/python run.py way=<way> model=<model>`` per way it names that has a file."""
-    runnable = [w for w in _ways(key) if w in ways]
+    runnable = [w for w in ways_of(key) if w in ways]
     if not runnable:
         return NO_WAY
     model = models.get(key.get("twin") or "ct-text", "<model>")
@@ -336,7 +361,7 @@ def _headline(group: pd.DataFrame) -> pd.Series:
 def _linked(key: dict[str, Any], cells: pd.DataFrame) -> pd.DataFrame:
     """The cells that ran (or tried) a row: those naming one of its ways, and those that did not run whose
     settings are the row's (a cell that did not run records no prompt)."""
-    ways = _ways(key)
+    ways = ways_of(key)
     named = [w in ways for w in cells.way]
     tried = [s != "ok" and not method.differences(m, key, ignore=("prompt", "way"))
              for s, m in zip(cells.status, cells.method, strict=True)]  # fmt: skip
@@ -356,17 +381,24 @@ def _status(fig: pd.Series, views: list[View], cells: pd.DataFrame, verdicts: di
             ways: set[str], models: dict[str, str]) -> tuple[str, str]:  # fmt: skip
     key = fig.method
     same = [v for v in views if v.valid and not method.differences(v.key, key)]
+    here = [v for v in same if on_article_hardware(v, fig)]
+    if here:
+        view = here[0]
+        value = measured(view, fig)
+        others = f" (and {len(here) - 1} more rows)" if len(here) > 1 else ""
+        if value is None:
+            return REPRODUCED, f"{view.label}{others}: the same method; its {fig.metric} is not measured"
+        return REPRODUCED, f"{shown(value)} / {span(fig)} = {ratio(value, fig)}: {view.label}{others}"
     if same:
         view = same[0]
-        value = measured(view, fig)
         others = f" (and {len(same) - 1} more rows)" if len(same) > 1 else ""
-        if value is None:
-            return "reproduced", f"{view.label}{others}: the same method; its {fig.metric} is not measured"
-        return "reproduced", f"{shown(value)} / {span(fig)} = {ratio(value, fig)}: {view.label}{others}"
+        weights = "synthetic weights" if view.synthetic else "the real weights"
+        return OTHER_HARDWARE, (f"{view.label}{others}: on {view.hardware or 'unnamed hardware'} with {weights}, the "
+                                f"article on {fig.device} with {fig.checkpoint}: no ratio")  # fmt: skip
     invalid = [v for v in views if not v.valid and not method.differences(v.key, key)]
     if invalid:
         return "measured, not VALID", f"{invalid[0].label}: {invalid[0].verdict}"
-    by_way = [(method.differences(v.key, key), v) for v in views if v.valid and v.key.get("way") in _ways(key)]
+    by_way = [(method.differences(v.key, key), v) for v in views if v.valid and v.key.get("way") in ways_of(key)]
     if by_way:
         differs, view = min(by_way, key=lambda found: (len(found[0]), _prompt_distance(found[1].key, key)))
         return "measured, not the same method", f"{view.label}: {'; '.join(differs)}"

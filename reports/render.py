@@ -16,12 +16,24 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from reports import arithmetic, article_tables, definitions, like_for_like, method, noise, plots, uncertainty, verdicts
+from reports import (
+    arithmetic,
+    article_tables,
+    definitions,
+    labels,
+    like_for_like,
+    method,
+    noise,
+    plots,
+    summary,
+    uncertainty,
+    verdicts,
+)
 from reports import published as published_data
 from reports.tables.bench import bench_table
 from reports.tables.boot import boot_runs
 from reports.tables.cells import load as load_evidence
-from reports.tables.decode import decode_table, left_out
+from reports.tables.decode import decode_table, headline_tables, left_out
 from reports.tables.load import load_table
 from reports.tables.peers import peer_tables
 from reports.tables.profile import profile_table
@@ -45,6 +57,7 @@ class Outputs:
     report: Path | None  # None: no evidence yet, so no report
     arithmetic: Path
     plots: list[Path]
+    summary: str = ""  # the report's first screen as terminal text
 
 
 def missing(value: Any) -> bool:
@@ -105,7 +118,8 @@ def environment() -> Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(gb=gb, num=num, sci=sci, whole=whole, fmt=arithmetic.fmt, span=published_data.span,
+    env.filters.update(gb=gb, num=num, sci=sci, whole=whole, median=lambda i: num(getattr(i, "value", None)),
+                        fmt=arithmetic.fmt, span=published_data.span,
                        ci=uncertainty.shown)
     env.tests["missing"] = missing  # `x is missing`: None, or a pandas column's NaN
     return env
@@ -131,8 +145,9 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     report.parent.mkdir(parents=True, exist_ok=True)
     profile = profile_table(ev.records)
     load = load_table(ev.records)
+    derived = arithmetic.with_derived_columns(decode, measured)
     made = [
-        plots.decode_rates(decode, report.parent / "decode_tok_s.png"),
+        plots.decode_rates(derived, report.parent / "decode_tok_s.png"),
         plots.decode_vs_context(decode, report.parent / "decode_vs_context.png"),
         plots.memory(decode, report.parent / "memory.png"),
         plots.profile_bars(profile, report.parent / "profile.png"),
@@ -149,15 +164,21 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         *like_for_like.serve_views(ev.records, judged),
         *like_for_like.recall_views(recall, cells, judged),
     ]
+    peers = peer_tables(every_row, ev.records, noise.floors(pairs))
+    screens = summary.screens(derived, cells, judged, peers, load, recall, figures)
     text = env.get_template("REPORT.md.j2").render(
+        screens=screens,
+        decode_headlines=headline_tables(derived),
+        way_legend=labels.legend(derived),
+        published_span=lambda row: like_for_like.published_span(like_for_like.row_view(row), figures),
         serving=serving,
         serve_published=published_data.serving_row(figures),
         serve_same_method=lambda key: like_for_like.same_method(key, figures.set_index("id").loc[SERVED_FIGURE]),
         chat_screenshot=chat_screenshot(serving, evidence_dir, report.parent),
         cells=cells,
-        decode=arithmetic.with_derived_columns(decode, measured),
+        decode=derived,
         decode_left_out=left_out(every_row),
-        peers=peer_tables(every_row, ev.records, noise.floors(pairs)),
+        peers=peers,
         verdict_table=verdicts.table(cells, judged),
         aa_pairs=pairs,
         noise_floors=noise.floors(pairs),
@@ -190,6 +211,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         published_rate=lambda row: like_for_like.published_rate(like_for_like.row_view(row), figures),
         no_pair=like_for_like.NO_PAIR,
         no_way=like_for_like.NO_WAY,
+        other_hardware=like_for_like.OTHER_HARDWARE,
         coverage=like_for_like.coverage(figures, views, cells, judged),
         pairs=like_for_like.pairs(views, figures),
         definitions=method.DEFINITIONS,
@@ -212,7 +234,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         else str(arithmetic_out),
     )
     report.write_text(text)
-    return Outputs(report, arithmetic_out, [report.parent / p for p in made if p])
+    return Outputs(report, arithmetic_out, [report.parent / p for p in made if p], summary.plain(screens))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arithmetic: {out.arithmetic} (the articles' figures only)")
         print(f"no report: no evidence files under {args.evidence} (run `make demo` or `python run.py`)")
         return 0
+    print(out.summary, end="\n\n")
     for p in out.plots:
         print(f"plot:       {p}")
     print(f"arithmetic: {out.arithmetic}\nreport:     {out.report}")

@@ -45,14 +45,19 @@ def decode_cell(
     reason: str | None = None,
     experiment: str = "decode",
     dtype: str = "bfloat16",
+    on_article_hardware: bool = False,
 ) -> dict:
     """A decode cell's evidence with the fields of its method key set: context, N, read-back, the way it
     names, the twin it read (``tables``), what its engine kept packed (``kept``; None: the engine records
-    nothing, as the generate family and JAX), and further ``measured`` figures (name -> samples or value)."""
+    nothing, as the generate family and JAX), and further ``measured`` figures (name -> samples or value);
+    ``on_article_hardware``: measured on a TPU v5e-1 with the real weights (else on a CPU, synthetic weights)."""
     record = cell_record(engine, values, sweep=sweep, settings=settings, status=status, experiment=experiment,
                          dtype=dtype)  # fmt: skip
     record["config"].update(context=context, max_new_tokens=n, read_every=read_every, way=way)
     record["model"]["tables_description"] = tables
+    if on_article_hardware:
+        record["hardware"]["name"] = "tpu-v5e-1"
+        record["model"]["synthetic"] = False
     if kept is not None and status == "ok":
         record["engine"] = {"kept_4bit": kept}
     if status == "ok" and experiment == "decode":
@@ -238,7 +243,7 @@ def test_a_jax_int4_row_is_never_set_beside_jax_bf16(tmp_path):
 
 
 def test_a_streamed_row_pairs_with_the_streamed_figures_and_the_batched_with_the_batched(tmp_path):
-    table4 = dict(kept=PER_LAYER, tables=EMB4)
+    table4 = dict(kept=PER_LAYER, tables=EMB4, on_article_hardware=True)
     write(
         tmp_path,
         parity("table4"),
@@ -297,7 +302,8 @@ def test_the_coverage_table_says_where_each_article_row_stands(tmp_path):
         tmp_path,
         parity("table4"),
         parity("jax"),
-        decode_cell("table4", (45.0, 46.0), kept=PER_LAYER, tables=EMB4, way="nb04/compiled-4bit-table"),
+        decode_cell("table4", (45.0, 46.0), kept=PER_LAYER, tables=EMB4, way="nb04/compiled-4bit-table",
+                    on_article_hardware=True),
         decode_cell("jax", (120.0, 121.0), way="nb03/jax_bf16"),
         decode_cell("generate", (5.0, 5.1), settings={"loader": "transformers"}, way="nb04/generate"),  # no parity
         decode_cell(
@@ -336,18 +342,38 @@ def test_the_coverage_table_says_where_each_article_row_stands(tmp_path):
     assert like_for_like.command({"way": None}, like_for_like.way_files(), {}) == like_for_like.NO_WAY
 
 
-def test_the_report_opens_with_coverage_and_sets_rates_beside_their_own_method(tmp_path):
-    write(tmp_path, parity("table4"), decode_cell("table4", (45.0, 46.0), kept=PER_LAYER, tables=EMB4))
+def test_the_report_answers_first_and_sets_rates_beside_their_own_method(tmp_path):
+    write(tmp_path, parity("table4"),
+          decode_cell("table4", (45.0, 46.0), kept=PER_LAYER, tables=EMB4, on_article_hardware=True))  # fmt: skip
     out = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
     report = out.report.read_text()
-    assert report.index("## Coverage of the articles' tables") < report.index("## Environment and provenance")
-    assert report.index("## Coverage") < report.index("## Decode")
+    order = ["## The answer first", "## Decode: every way", "## Coverage of the articles' tables",
+             "## Decode, in detail", "## Verdict per cell", "## Environment and provenance"]  # fmt: skip
+    assert [report.index(h) for h in order] == sorted(report.index(h) for h in order)
     assert "| torchtpu-colab | Step 8: the seven ways of notebook 04 | Compiled step, 4-bit table | 50.2 to 50.4 " \
            "tok/s | reproduced |" in report  # fmt: skip
-    decode = report[report.index("## Decode") : report.index("### Memory")]
-    # the same figure in the headline and the comparison tables, and notebook 05's timing of the same step
+    headline = report[report.index("## Decode: every way") : report.index("### Memory")]
+    assert "| 50.2 to 50.4 |" in headline  # the published rate of the same method, as printed
+    detail = report[report.index("## Decode, in detail") :]
+    # the same figure in the detail table and the comparison tables, and notebook 05's timing of the same step
     beside = "50.2 to 50.4 (torchtpu-colab: Step 8: the seven ways of notebook 04; and 4 more in *Like for like*)"
-    assert f"| {beside} |" in decode
+    assert f"| {beside} |" in detail
+
+
+def test_the_same_method_on_other_hardware_is_named_so_without_a_ratio(tmp_path):
+    write(tmp_path, parity("table4"), decode_cell("table4", (45.0, 46.0), kept=PER_LAYER, tables=EMB4))
+    ev, judged, _, found = views(tmp_path)
+    table = like_for_like.coverage(FIGURES, found, ev.cells, judged).set_index(["table", "row"])
+    row = table.loc[("Step 8: the seven ways of notebook 04", "Compiled step, 4-bit table")]
+    assert row.status == like_for_like.OTHER_HARDWARE
+    assert "on cpu with synthetic weights" in row.detail and "tpu-v5e-1" in row.detail
+    assert "x" not in row.detail.split(": ")[-1] and "/ 50.2" not in row.detail  # no ratio
+    pairs = like_for_like.pairs(found, FIGURES)
+    assert not pairs.empty and set(pairs.ratio) == {like_for_like.OTHER_HARDWARE}
+    out = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    report = out.report.read_text()
+    assert "| same method, other hardware |" in report and "| reproduced |" not in report
+    assert "; 5 same method, other hardware." in report  # the coverage counts name the status (5 rows share its key)
 
 
 # ---------------------------------------------------------------- definitions and the other columns -------------
@@ -364,6 +390,7 @@ def test_every_printed_column_is_set_beside_its_counterpart(tmp_path):
             settings=nb03,
             way="nb03/torch_eager",
             measured={"warm_1_s": [0.2, 0.3], "warm_n_s": [13.0, 14.0], "load_s": 20.0, "prompt_tokens": 19},
+            on_article_hardware=True,
         ),
     )
     _, _, _, found = views(tmp_path)

@@ -43,6 +43,8 @@ GROUP = [
     "replica",
 ]
 
+PEER_PEAK = "VmHWM summed over the peer server's processes"  # a peer's memory: its server's, not the cell's
+
 BOOT_COLUMNS = ["file", "sweep", "host", "index", "stage", "status", "reason", "seconds", "since_boot_s",
                 "started_utc", "versions", "dry_run", "detail", "measurements"]  # fmt: skip
 
@@ -59,12 +61,15 @@ class Evidence:
 
 
 def load(folder: Path, root: Path) -> Evidence:
-    """Reads ``folder/**/*.json`` in name order; paths in the result are relative to ``root``. A file with
+    """Reads ``folder/**/*.json`` in name order (not the tools' files a cell keeps beside its evidence,
+    ``evidence.KEPT_BESIDE``); paths in the result are relative to ``root``. A file with
     the same bytes as one read before is the same evidence (a copy, e.g. collected twice) and is read once;
     different files for the same cell of a sweep (two hosts ran it) are all kept and named in ``warnings``."""
     schemas = {kind: evidence.load_schema(kind) for kind in (None, evidence.BOOT)}
     rows, boot, records, warnings, seen = [], [], {}, [], set()
     for path in sorted(Path(folder).rglob("*.json")):
+        if any(part.endswith(evidence.KEPT_BESIDE) for part in path.relative_to(folder).parts[:-1]):
+            continue  # a tool's own files kept beside a cell's evidence (AIPerf's exports), not evidence
         rel = _display(path, root, Path(folder))
         try:
             data = path.read_bytes()
@@ -213,13 +218,15 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     int4; a peer's own format, its evidence's ``engine.linears``, else ``engine.quant``); ``tables``: the
     checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
-    measurement's earlier name ``new_tokens`` the same way; ``method``: the cell's method key
+    measurement's earlier name ``new_tokens`` the same way; ``memory_peak``: a peer's is its server's processes'
+    (``PEER_PEAK``), the cell's own process holds none of its weights; ``method``: the cell's method key
     (``reports.method.of_record``). ``replica`` (the A/A copy) is 0 where the
     config has none; ``checks`` (``outputs.checks``) and ``contention`` (``environment.contention``) are
     None in evidence written before the experiments recorded them."""
     r = evidence.Record.from_json(data)
     cfg, env, hw = r.config, r.environment, r.hardware or {}
     peak = r.memory_peak()
+    peer_peak = (r.engine.get("memory") or {}).get("peak_rss_bytes_sum") if r.engine.get("peer") else None
     parity = r.outputs.get("prompt") if cfg["experiment"]["name"] == "parity" else None
     parity = parity if isinstance(parity, dict) and parity.get("status") == "ok" else None
     return {
@@ -260,8 +267,8 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "cache_bytes": r.value("cache_bytes_from_shape"),
         "memory_after_load": r.value("memory_after_load"),
         "memory_with_cache": r.value("memory_with_cache"),
-        "memory_peak": None if peak is None else peak.bytes,
-        "memory_counter": None if peak is None else peak.counter,
+        "memory_peak": peer_peak if peer_peak is not None else None if peak is None else peak.bytes,
+        "memory_counter": PEER_PEAK if peer_peak is not None else None if peak is None else peak.counter,
         "graphs": r.engine.get("graphs"),
         "graph_breaks": r.engine.get("graph_breaks"),
         "parity_tokens_equal": None if parity is None else parity["tokens_equal"],

@@ -12,11 +12,13 @@ headline shows VALID rows only and names every cell it left out (``left_out``).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
 from decodebench.evidence import DECODE_EXPERIMENTS
+from reports.labels import footnotes, short_labels
 from reports.tables.cells import GROUP
 from reports.uncertainty import sampled
 from reports.verdicts import INVALID, VALID, Verdict
@@ -93,10 +95,11 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
             }
         )
     if not rows:  # no decode cell: the columns still exist, so templates can filter the empty table
-        return pd.DataFrame(columns=[*GROUP, *DECODE_COLUMNS, "key", "label"])
+        return pd.DataFrame(columns=[*GROUP, *DECODE_COLUMNS, "key", "label", "way_label"])
     table = pd.DataFrame(rows)
     table["key"] = table.apply(_key, axis=1)
     table["label"] = table.apply(_label, axis=1)
+    table["way_label"] = short_labels(table)
     return table
 
 
@@ -167,6 +170,32 @@ def _label(row: pd.Series) -> str:
     where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}"
     code = f" @ {row.code}" if row.code else ""
     return f"{row.engine} ({where}{stream}{backend}{way}{replica}, env {row.fingerprint}{code})"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One model and device's headline decode table: its ``title``, its VALID ``rows`` (each with its footnote
+    ``mark``) and the ``notes`` naming each mark's environment and code."""
+
+    title: str
+    rows: pd.DataFrame
+    notes: list[str]
+
+
+HEADLINE_ORDER = ["context", "max_new_tokens", "decode_median"]
+
+
+def headline_tables(decode: pd.DataFrame) -> list[Headline]:
+    """The VALID rows of ``decode`` as one table per model, device and device name, by context and N, fastest
+    first; environment and code as footnotes (``reports.labels.footnotes``)."""
+    tables = []
+    for (model, device, name), rows in decode.groupby(["model", "device", "device_name"], sort=True):
+        rows = rows.sort_values(HEADLINE_ORDER, ascending=[True, True, False])
+        marks, notes = footnotes(rows)
+        synthetic = ", synthetic weights" if rows.synthetic.any() else ""
+        title = f"{model} on {device}" + (f" ({name})" if name else "") + synthetic
+        tables.append(Headline(title, rows.assign(mark=marks), notes))
+    return tables
 
 
 def left_out(table: pd.DataFrame) -> pd.DataFrame:

@@ -6,15 +6,16 @@ from typing import Any
 
 import pandas as pd
 
-LOAD_COLUMNS = ["file", "engine", "model", "synthetic", "device", "level", "mode", "value", "requests", "errors",
-                "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99",
-                "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean",
-                "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput", "good_requests", "slo_ttft_s",
-                "slo_tpot_s", "exports"]  # fmt: skip
+LOAD_COLUMNS = ["file", "engine", "weights", "model", "synthetic", "device", "level", "mode", "value", "requests",
+                "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90",
+                "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean",
+                "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput", "good_requests",
+                "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
 
 
 def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
-    """One row per level of each ok ``load`` cell: AIPerf's client figures (seconds) and the server's own
+    """One row per level of each ok ``load`` cell: the engine and how it holds its linears (``weights``), AIPerf's
+    client figures (seconds) and the server's own
     queue seconds over the same requests, with the cell's SLOs and where its exports are kept."""
     rows = []
     for file, data in sorted(records.items()):
@@ -27,6 +28,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 {
                     "file": file,
                     "engine": data["config"]["engine"]["name"],
+                    "weights": _weights(data["config"]["engine"]),
                     "model": data["config"]["model"]["name"],
                     "synthetic": bool(data["model"].get("synthetic")),
                     "device": data["environment"].get("device_kind"),
@@ -57,3 +59,8 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows, columns=LOAD_COLUMNS)
+
+
+def _weights(engine: dict[str, Any]) -> str | None:
+    """How the served engine holds its linears, where its settings say (``weights``, a peer's ``quant``)."""
+    return engine.get("weights") or engine.get("quant")

@@ -40,10 +40,12 @@ NOT_A_PEER = "–"  # the fastest peer's own ratio cell
 
 @dataclass(frozen=True)
 class PeerTable:
-    """One model and device's peers table: ``title`` (what its rows share), ``rows`` (``PEER_COLUMNS``, fastest
-    first), the fastest peer's ``way`` and the generated one-sentence ``verdict``."""
+    """One model and device's peers table: ``title`` (what its rows share), its ``model`` and ``device``, ``rows``
+    (``PEER_COLUMNS``, fastest first), the fastest peer's ``way`` and the generated one-sentence ``verdict``."""
 
     title: str
+    model: str
+    device: str
     rows: pd.DataFrame
     fastest_peer: str | None  # None when no peer row has a decode sample
     verdict: str
@@ -81,7 +83,7 @@ def peer_tables(
         rows = rows.assign(_rate=rate).sort_values(["_rate", "way"]).drop(columns="_rate").reset_index(drop=True)
         peer_way = None if fastest_peer is None else rows.way[rows.decode_row == fastest_peer.name].iloc[0]
         verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways))
-        tables.append(PeerTable(_title(where), rows, peer_way, verdict))
+        tables.append(PeerTable(_title(where), where["model"], where["device"], rows, peer_way, verdict))
     return tables
 
 
@@ -151,7 +153,7 @@ def _row(
         "x_fastest_peer": ratio,
         "x_shown": NOT_A_PEER if ratio is None else ratio.text(),
         "startup_s": _startup(row, records) if peer else row.load_s,
-        "memory_peak_bytes": (block.get("memory") or {}).get("peak_rss_bytes_sum") if peer else row.memory_peak,
+        "memory_peak_bytes": row.memory_peak,
         "verdict": _short_verdict(row),
         "weights": _weights(row, block),
         "files": row.files,
