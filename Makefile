@@ -133,9 +133,10 @@ reproduce: setup
 
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
 # each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
-# then load at concurrency 1, 2 and 4 (AIPerf, N=16). At N=16 the ring's 1-token call (the prompt read as one padded
-# 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode took, and a pair broke
-# T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an interrupted sweep goes
+# then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the Rust article's comparison rows as it ran them
+# (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token call (the prompt
+# read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode took,
+# and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an interrupted sweep goes
 # on where it stopped).
 PEERS_MODEL ?= e2b-synthetic
 PEERS_SWEEP ?= peers-$(PEERS_MODEL)
@@ -149,6 +150,7 @@ peers-sweep: setup
 	@for step in $(PEERS_STEPS); do \
 	  for engines in $(PEERS_ENGINES); do $(PEERS_RUN) $$step $$engines || exit 1; done; \
 	done
+	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
 
 sweep: setup
