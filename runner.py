@@ -26,6 +26,7 @@ from decodebench.config import ConfigError, RunConfig, host_folder, validate_swe
 from decodebench.config import register_configs as register_core
 from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device, tpu_present
 from decodebench.environment import Contention, capture
+from decodebench.files import cannot_write, disk_of
 from engines import ENGINES, engine_class, takers
 from engines import register_configs as register_engines
 from engines.base import EngineLimit
@@ -256,7 +257,13 @@ def run_cell(cfg: DictConfig) -> dict[str, Any] | None:
         if isinstance(exc, Stopped):  # the signal again, to the handler before the cell's (the default ends the
             signal.raise_signal(exc.signum)  # process, its exit status naming the signal; a launcher's runs)
         raise
-    return write(record, path)
+    try:
+        return write(record, path)
+    except OSError as exc:  # the disk full (or gone) at the last step: say where; earlier files stand, the sweep
+        # goes on
+        reason = f"its evidence could not be written: {exc.strerror or exc} on {disk_of(path)}"
+        print(f"[failed] {path}: the cell ended {record.status}, but {reason}", file=sys.stderr, flush=True)
+        return {"status": "failed", "reason": reason}
 
 
 def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
@@ -340,12 +347,31 @@ def swept_engines(config: DictConfig) -> list[str]:
     return engines
 
 
+def refuse_unwritable(config: DictConfig) -> None:
+    """Ends the run (exit 2) before any cell runs when its sweep folder cannot take a file: no cell could keep
+    its evidence, so none is measured."""
+    try:
+        validate_sweep(str(config.sweep))
+    except ConfigError:
+        return  # no folder to try: each cell says so, and writes nothing
+    folder = Path(config.evidence_dir) / str(config.sweep)
+    if (why := cannot_write(folder)) is not None:
+        print(f"[refused] nothing run: the evidence folder {why}; every cell writes its evidence there "
+              "(set evidence_dir= to a folder that can be written)", file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(2)
+
+
 class SweepSummary(Callback):
-    """Before a multirun: refuses a sweep whose cells cannot share a process under the chosen launcher.
+    """Before a run or a multirun: refuses one whose evidence folder cannot be written, or a sweep whose cells
+    cannot share a process under the chosen launcher.
     After it: the sweep folder's counts and every cell that is not ok, so a failure in the middle is not
     lost in the log."""
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        refuse_unwritable(config)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        refuse_unwritable(config)
         kind = str(config.device.kind)
         if kind == "auto":
             kind = "tpu" if tpu_present() else "other"

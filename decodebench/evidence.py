@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
+from decodebench.files import write_bytes_atomic
 from decodebench.stats import median_interval
 
 SCHEMA_VERSION = "1.0"
@@ -182,22 +181,8 @@ def validate(record: dict[str, Any], schema: dict[str, Any] | None = None) -> No
 
 
 def write_atomic(path: Path, record: dict[str, Any]) -> None:
-    """Writes to a temporary file in the same folder, then renames: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; evidence is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """A record as indented JSON, written whole or not at all (``files.write_bytes_atomic``)."""
+    write_bytes_atomic(path, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
 def read(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pandas as pd
 
+from decodebench.files import write_text_atomic
 from reports import noise, plots, verdicts
 from reports.tables.cells import GROUP
 from reports.tables.cells import load as load_evidence
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text, end="")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_text_atomic(args.out, text)
     png = plots.comparison(result.table, args.threshold, args.out.with_suffix(".png"))
     print(f"\ncompare: {args.out}" + (f", plot: {args.out.with_suffix('.png')}" if png else ""))
     return 1 if len(result.regressions) else 0

@@ -1,13 +1,14 @@
 """Plots beside the report (matplotlib, Agg, PNG without timestamps so re-rendering is byte-stable).
 
 Every plot is laid out by matplotlib's constrained layout and saved through ``save``, which refuses a figure whose
-drawn text (tick labels, titles, legends, notes) reaches past its canvas: it widens the figure until everything fits,
-and raises when it cannot. Rows are named by their short way labels (``reports.labels``), with the legend's settings
-in the report.
+drawn text (tick labels, titles, legends, notes) reaches past its canvas: it widens the figure until everything
+fits, and raises when it cannot; the PNG is written whole or not at all. Rows are named by their short way labels
+(``reports.labels``), with the legend's settings in the report.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from decodebench.files import write_bytes_atomic  # noqa: E402
 from reports.labels import SEPARATOR, footnotes  # noqa: E402
 
 SAVE = {"dpi": 100, "metadata": {"Software": None}}
@@ -40,7 +42,9 @@ def save(fig: Figure, out: Path) -> str:
     try:
         for _ in range(TRIES):
             if overflow(fig) <= SLACK_IN:
-                fig.savefig(out, **SAVE)
+                png = io.BytesIO()
+                fig.savefig(png, format="png", **SAVE)
+                write_bytes_atomic(out, png.getvalue())
                 return out.name
             width, height = fig.get_size_inches()
             fig.set_size_inches(width * GROW, height * (1 + (GROW - 1) / 4))

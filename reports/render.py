@@ -1,14 +1,14 @@
 """``python -m reports.render``: evidence in, ``evidence/arithmetic.txt`` and ``reports/REPORT.md`` out.
 
 A pure function of the evidence and the published data: no model, no accelerator, no clock; the
-same files in give the same bytes out.
+same files in give the same bytes out. Every file is written whole or not at all (``decodebench.files``): a renderer
+killed mid-write leaves the previous report as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +16,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from decodebench.files import write_bytes_atomic, write_text_atomic
 from reports import (
     arithmetic,
     article_tables,
@@ -105,7 +106,7 @@ def chat_screenshot(serving: Any, evidence_dir: Path, out: Path) -> dict[str, st
     source = evidence_dir / shots.iloc[-1].screenshot
     if not source.is_file():
         return None
-    shutil.copyfile(source, out / CHAT_PNG)
+    write_bytes_atomic(out / CHAT_PNG, source.read_bytes())
     return {"name": CHAT_PNG, "source": shots.iloc[-1].screenshot}
 
 
@@ -138,7 +139,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     measured = arithmetic.measured(decode, models, noise.floors(pairs))
     recomputed = arithmetic.published(pub.figures, pub.derived)
     arithmetic_out.parent.mkdir(parents=True, exist_ok=True)
-    arithmetic_out.write_text(arithmetic.render(measured, recomputed))
+    write_text_atomic(arithmetic_out, arithmetic.render(measured, recomputed))
     if not ev.records and not ev.warnings and ev.boot.empty:
         return Outputs(None, arithmetic_out, [])
 
@@ -233,7 +234,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         if arithmetic_out.resolve().is_relative_to(REPO)
         else str(arithmetic_out),
     )
-    report.write_text(text)
+    write_text_atomic(report, text)
     return Outputs(report, arithmetic_out, [report.parent / p for p in made if p], summary.plain(screens))
 
 

@@ -1,0 +1,56 @@
+"""Files written whole or not at all: a reader (or a renderer killed mid-write) never leaves half a file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a temporary file in ``path``'s folder, flushes it to the disk, then renames it over
+    ``path``: the old file stays whole until the new one is. Readable by everyone the umask allows (as a plain
+    write would make it); the temporary file is removed when anything fails, a full disk included."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``write_bytes_atomic`` of ``text`` as UTF-8."""
+    write_bytes_atomic(path, text.encode())
+
+
+def cannot_write(folder: Path) -> str | None:
+    """Why no file can be made in ``folder`` (made with its parents first), or None when one can: a file is created
+    and removed, so a read-only disk, missing permission or a path through a file all say so here."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"{folder} cannot be written ({exc.strerror or exc})"
+    return None
+
+
+def disk_of(path: Path) -> str:
+    """The disk a path lies on, for a message: its mount point and the bytes free there."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    mount = folder.resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return f"the disk mounted at {mount} ({shutil.disk_usage(mount).free:,} bytes free)"
