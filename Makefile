@@ -12,7 +12,7 @@ SWEEP ?= demo
 # rustup's cargo, where the machine keeps it there
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup peers peers-sweep demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim
+.PHONY: setup peers peers-sweep demo test report sweep lint clean bench-int4 collect device-check serve reproduce lock compare shim soak
 
 RUST_CRATE := engines/rust
 RUST_STAMP := $(VENV)/.rust-stamp
@@ -133,11 +133,12 @@ reproduce: setup
 
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
 # each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
-# then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the Rust article's comparison rows as it ran them
-# (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token call (the prompt
-# read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode took,
-# and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an interrupted sweep goes
-# on where it stopped).
+# then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the ring decoding PEERS_BATCHES sequences together
+# (experiment.batch: what batching buys, beside llama.cpp's slots under load), then the Rust article's rows as it
+# ran them (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token call (the
+# prompt read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode
+# took, and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an
+# interrupted sweep goes on where it stopped).
 PEERS_MODEL ?= e2b-synthetic
 PEERS_SWEEP ?= peers-$(PEERS_MODEL)
 PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL) sweep=$(PEERS_SWEEP) \
@@ -146,10 +147,13 @@ PEERS_STEPS := "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max
   "experiment=load max_new_tokens=16"
 PEERS_ENGINES := "engine=generate,compiled,rust,jax" "engine=ring engine.weights=dense,int4" \
   "engine=llamacpp engine.quant=bf16,q8_0,q4_0" "engine=vllm"
+PEERS_BATCHES ?= 2,4,8
 peers-sweep: setup
 	@for step in $(PEERS_STEPS); do \
 	  for engines in $(PEERS_ENGINES); do $(PEERS_RUN) $$step $$engines || exit 1; done; \
 	done
+	$(PEERS_RUN) experiment=decode max_new_tokens=64 engine=ring engine.weights=dense,int4 \
+	  experiment.batch=$(PEERS_BATCHES)
 	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
 
@@ -160,6 +164,14 @@ sweep: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
+
+# The server soaked (serving/soak.py): serve.py started with SOAK_SERVE, SOAK requests from 64 clients at once against a
+# small queue; every request answered or refused, exact token counts, the server's counters equal the clients', its
+# memory and descriptors back where they were. Prints the figures as JSON; exit 1 when the contract breaks.
+SOAK ?= --requests 5000 --clients 64 --tokens 8
+SOAK_SERVE ?= engine=ring model=tiny engine.backend=none serve.max_queue=8
+soak: setup
+	$(BIN)/python -m serving.soak $(SOAK) $(SOAK_SERVE)
 
 # Every E2B linear shape, dense bf16 against int4, on this machine's device (pytest-benchmark), with the bytes
 # each call reads; its JSON goes under evidence/bench/, where `make report` reads it (median ms and GB/s). It runs on

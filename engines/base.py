@@ -71,6 +71,7 @@ class Engine(ABC):
     scores_prompt: ClassVar[bool] = False  # True: prompt_logits() reads a prompt's logits at every position
     returns_logits: ClassVar[bool] = True  # False: generate(return_logits=True) cannot be answered (no parity)
     top_logprobs_k: ClassVar[int] = 0  # > 0: top_logprobs returns this many log-probabilities a position
+    batches: ClassVar[bool] = False  # True: generate_batch decodes several sequences in each step
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
     def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -139,6 +140,12 @@ class Engine(ABC):
         soon as the prompt read made it; the ``generate`` family hands over each token); when it
         returns False the call stops after that batch and ``tokens`` holds what was made so far.
         """
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """Exactly ``max_new_tokens`` greedy tokens after each prompt (each its own length), the sequences decoded
+        together: one step makes a token for every sequence. Each ``Generation`` carries the call's phase seconds
+        (``read_s``: every prompt read; ``decode_s``: the steps). Engines that set ``batches``."""
+        raise EngineLimit(f"engine {self.name} decodes one sequence at a time (batch=1)")
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits [len(prompt_ids), vocab] float32 on the host, row i from the ids up to i (it predicts token

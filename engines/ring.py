@@ -28,6 +28,7 @@ projections, norms, RoPE, MLP and per-layer embeddings are Transformers' own mod
 from __future__ import annotations
 
 import math
+import time
 import types
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,6 +42,7 @@ from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 from decodebench.config import Tables, at_least
 from decodebench.device import Device
 from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
+from engines.base import Generation
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
 MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
@@ -94,10 +96,14 @@ class RingEngineConfig(SteppingEngineConfig):
 
 
 class RingCache:
-    """K/V buffers for the cache-owning layers and the position records that mask them."""
+    """K/V buffers for the cache-owning layers and the position records that mask them, for ``batch`` sequences
+    (a row each: buffers [batch, heads, slots, dim], records [batch, slots])."""
 
-    def __init__(self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: Any, context: int, piece: int, dtype: torch.dtype, device: torch.device, batch: int = 1
+    ) -> None:
         self.config = config
+        self.batch = batch
         self.window = config.sliding_window
         self.piece = piece
         self.ring_slots = ring_slots(self.window, piece)
@@ -112,14 +118,14 @@ class RingCache:
             head_dim = config.per_layer_config[i].head_dim
             heads = config.per_layer_config[i].num_key_value_heads
             slots = self.ring_slots if self.sliding[i] else self.full_slots
-            self.k[i] = torch.zeros(1, heads, slots, head_dim, dtype=dtype, device=device)
-            self.v[i] = torch.zeros(1, heads, slots, head_dim, dtype=dtype, device=device)
-        self.ring_pos = torch.full((self.ring_slots,), -1, dtype=torch.long, device=device)
-        self.full_pos = torch.full((self.full_slots,), -1, dtype=torch.long, device=device)
-        self.query_pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.ring_slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin()
-        self.folded: dict[tuple[bool, int, int], torch.Tensor] = {}  # (sliding, groups, rows) -> [G*rows, slots]
+            self.k[i] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+        self.ring_pos = torch.full((batch, self.ring_slots), -1, dtype=torch.long, device=device)
+        self.full_pos = torch.full((batch, self.full_slots), -1, dtype=torch.long, device=device)
+        self.query_pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.ring_slot = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.masks: dict[bool, torch.Tensor] = {}  # keyed by "sliding", rebuilt by begin(): [batch, S, slots]
+        self.folded: dict[tuple[bool, int, int], torch.Tensor] = {}  # (sliding, groups, rows) -> [B, G*rows, slots]
         self.bucket = self.full_slots  # full-layer slots the next forward reads (a host int: one program each)
 
     def nbytes(self) -> int:
@@ -133,19 +139,27 @@ class RingCache:
         self.ring_pos.fill_(-1)
         self.full_pos.fill_(-1)
 
+    def take_row(self, row: int, single: RingCache) -> None:
+        """Copies a one-sequence cache (its prompt read) into sequence ``row`` of this one (the same geometry)."""
+        for i in self.k:
+            self.k[i][row].copy_(single.k[i][0])
+            self.v[i][row].copy_(single.v[i][0])
+        self.ring_pos[row].copy_(single.ring_pos[0])
+        self.full_pos[row].copy_(single.full_pos[0])
+
     def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Marks the slots this forward writes and builds the two masks every layer of it reads.
 
-        ``positions`` [S] absolute, ``valid`` [S] (False: padding). A key slot is visible to a query
-        when it holds a position at or before the query's (and, sliding, within the window).
+        ``positions`` [B, S] absolute, ``valid`` [B, S] (False: padding), a row per sequence. A key slot is
+        visible to a query when it holds a position at or before the query's (and, sliding, within the window).
         """
         self.query_pos = positions
         self.ring_slot = positions % self.ring_slots
         recorded = torch.where(valid, positions, torch.full_like(positions, -1))
-        self.ring_pos.index_copy_(0, self.ring_slot, recorded)
-        self.full_pos.index_copy_(0, positions, recorded)
-        qpos = positions[:, None]
-        ring, full = self.ring_pos[None, :], self.full_pos[None, : self.bucket]
+        self.ring_pos.scatter_(1, self.ring_slot, recorded)
+        self.full_pos.scatter_(1, positions, recorded)
+        qpos = positions[:, :, None]
+        ring, full = self.ring_pos[:, None, :], self.full_pos[:, None, : self.bucket]
         self.masks = {
             True: (ring >= 0) & (ring <= qpos) & (qpos - ring < self.window),
             False: (full >= 0) & (full <= qpos),
@@ -153,9 +167,10 @@ class RingCache:
         self.folded = {}
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots = self.ring_slot if self.sliding[layer] else self.query_pos
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        """K and V [B, heads, S, dim] into each sequence's slots of this forward."""
+        slots = (self.ring_slot if self.sliding[layer] else self.query_pos)[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, slots, k)
+        self.v[layer].scatter_(2, slots, v)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the layer's source: every ring slot (sliding), or the first ``bucket`` slots (full)."""
@@ -165,15 +180,15 @@ class RingCache:
         return self.k[src][:, :, : self.bucket], self.v[src][:, :, : self.bucket]
 
     def mask(self, layer: int, groups: int, rows: int) -> torch.Tensor:
-        """The [groups * rows, slots] mask of the keys the forward's last ``rows`` queries may see (a KV-shared
+        """The [B, groups * rows, slots] mask of the keys the forward's last ``rows`` queries may see (a KV-shared
         layer may see only the last one: Transformers drops the rest before those layers), folded ``groups``
         to a K/V head; built once per forward and shared by the layers of the same type."""
         sliding = self.sliding[layer]
         full = self.masks[sliding]
-        if groups == 1 and rows == full.shape[0]:
+        if groups == 1 and rows == full.shape[1]:
             return full
         if (sliding, groups, rows) not in self.folded:
-            self.folded[sliding, groups, rows] = full[-rows:].repeat(groups, 1)
+            self.folded[sliding, groups, rows] = full[:, -rows:].repeat(1, groups, 1)
         return self.folded[sliding, groups, rows]
 
 
@@ -202,7 +217,7 @@ def ring_attention(
     else:
         keep = ring.mask(self.layer_idx, 1, seq)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=keep[None, None], scale=self.scaling, enable_gqa=True
+            q.transpose(1, 2), keys, values, attn_mask=keep[:, None], scale=self.scaling, enable_gqa=True
         )
     return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
 
@@ -211,18 +226,19 @@ def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """SDPA with each K/V head's G = H/KV query heads folded into the query length: q [B, H, S, D],
-    keys and values [B, KV, slots, D], keep [G*S, slots] (the [S, slots] mask repeated G times) ->
+    keys and values [B, KV, slots, D], keep [B, G*S, slots] (each sequence's [S, slots] mask repeated G times) ->
     [B, H, S, D]. The products are the same as with ``enable_gqa`` (head h reads K/V head h // G);
     on a CPU one [G*S, slots] product per K/V head is far cheaper than G broadcast ones."""
     batch, heads, seq, dim = q.shape
     folded = q.reshape(batch, keys.shape[1], heads // keys.shape[1] * seq, dim)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[None, None], scale=scale)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[:, None], scale=scale)
     return out.view(batch, heads, seq, values.shape[-1])
 
 
 class RingEngine(SteppingEngine):
     name = "ring"
     config = RingEngineConfig
+    batches = True
 
     @classmethod
     def kept_4bit(cls, engine_cfg: Any) -> tuple[str, ...]:
@@ -248,6 +264,7 @@ class RingEngine(SteppingEngine):
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
+        self.batch_ring: RingCache | None = None  # generate_batch's ring, a row per sequence (built at first use)
         self.attend = self.ctx.engine_cfg.attend
         # the article's two programs (every piece padded, every slot read) keep one piece program: every row
         # of a piece goes through every layer there, as the article's ring does
@@ -267,13 +284,14 @@ class RingEngine(SteppingEngine):
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, row: torch.Tensor | int
     ) -> torch.Tensor:
-        """Logits [1, V] at row ``row`` (a [1] device tensor) after writing this forward into the ring;
+        """Logits [B, V] at row ``row`` (a [1] device tensor) of ids [B, S] at ``positions`` [B, S] (``valid``
+        [B, S]) after writing this forward into the ring;
         ``row=1`` (the int): the last row, and Transformers runs only that row through the KV-shared layers
         (they write no keys or values, so the other rows' outputs there are never read). Transformers is asked
         for no cache of its own (``use_cache=False``): the ring is the cache, and building Transformers' cache on
         every forward only lengthened what TorchDynamo traces."""
         self.ring.begin(positions, valid)
-        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=NO_MASKS, use_cache=False,
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=NO_MASKS, use_cache=False,
                          logits_to_keep=row)
         return out.logits[:, -1]
 
@@ -284,7 +302,8 @@ class RingEngine(SteppingEngine):
         ``ends_full`` (a host bool, one program each way): its last row is a real token, so only that row
         goes through the KV-shared layers."""
         offsets = self.piece_offsets[: ids.shape[1]]
-        logits = self.forward(ids, start + offsets, offsets < count, 1 if ends_full else (count - 1).view(1))
+        positions = (start + offsets)[None]
+        logits = self.forward(ids, positions, (offsets < count)[None], 1 if ends_full else (count - 1).view(1))
         return greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,15 +348,57 @@ class RingEngine(SteppingEngine):
         counts[kind] += 1
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.forward(token, position, torch.ones_like(position, dtype=torch.bool), torch.zeros_like(position))
+        """One token a sequence: ``token`` [B, 1] at ``position`` [B] -> the next [B, 1] and logits [B, V]."""
+        positions = position[:, None]
+        logits = self.forward(token, positions, torch.ones_like(positions, dtype=torch.bool),
+                              torch.zeros_like(position[:1]))  # fmt: skip
         return greedy(logits), logits
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """Each prompt read alone (the one-sequence programs, into the one-sequence ring), its cache copied into its
+        row of a ring of ``len(prompts)`` rows (kept for the next call of that size), then one step program for every
+        row at once, each at its own position. Tokens stay on the device until the last step. Phase timers as
+        ``generate``'s: ``read_s`` from the call's start to the last first token ready, ``decode_s`` from there to
+        every token on the host."""
+        rows, device = len(prompts), self.ctx.device.torch_device
+        single = self.ring
+        if self.batch_ring is None or self.batch_ring.batch != rows:
+            self.batch_ring = RingCache(self.model.config, self.ctx.context, single.piece, self.ctx.dtype, device, rows)
+        with self.running():
+            self.ctx.device.sync()
+            start = time.perf_counter()
+            firsts = []
+            for row, ids in enumerate(prompts):
+                self.reset()
+                token, _ = self.prefill(ids)
+                self.batch_ring.take_row(row, single)
+                firsts.append(token)
+            token = torch.cat(firsts)
+            self.ctx.device.sync()
+            first = time.perf_counter()
+            at = [len(ids) for ids in prompts]  # each row's position, on the host (for the slots a step reads)
+            position = torch.tensor(at, device=device)
+            made = [token]
+            self.ring = self.batch_ring
+            try:
+                for _ in range(max_new_tokens - 1):
+                    self.before_step(max(at))
+                    token, _ = self.compiled_step(token, position)
+                    made.append(token)
+                    position, at = position + 1, [a + 1 for a in at]
+                tokens = torch.cat(made, dim=1).tolist()
+            finally:
+                self.ring = single
+            self.ctx.device.sync()
+            end = time.perf_counter()
+        return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
 
     def cache_bytes(self) -> int | None:
         return self.ring.nbytes()
 
     def close(self) -> None:
         super().close()
-        self.ring = self.compiled_piece = None
+        self.ring = self.batch_ring = self.compiled_piece = None
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,7 @@ def graph_counts() -> dict[str, int]:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[1, V] logits -> [1, 1] token ids, on the device."""
+    """[B, V] logits -> [B, 1] token ids, on the device."""
     return logits.argmax(-1, keepdim=True)
 
 

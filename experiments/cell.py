@@ -105,6 +105,12 @@ class Cell:
     def timed_call(self, ids: list[int], n: int) -> tuple[Generation, float]:
         return timed(self.device, lambda: self.call(ids, n))
 
+    def call_batch(self, prompts: list[list[int]], n: int) -> list[Generation]:
+        """``n`` greedy tokens after each of ``prompts``, decoded together, each held to the exactly-``n`` contract."""
+        gens = self.engine.generate_batch(prompts, n)
+        return [expect_tokens(gen, n, f"engine {self.engine.name}, sequence {i} of {len(gens)}")
+                for i, gen in enumerate(gens)]  # fmt: skip
+
     def timed_pair(self, ids: list[int], n: int | None = None) -> tuple[float, Generation, float]:
         """A warm 1-token call and a warm N-token call on ``ids`` (N: ``n`` or the run's ``max_new_tokens``):
         (T_1, the N-token generation, T_N)."""

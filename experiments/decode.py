@@ -14,6 +14,13 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
   token read to the host as it is made (``read_every=1``), beside the run's own ``read_every``.
 * ``memory_with_cache``: after the first call, when every cache is allocated; ``cache_bytes_from_shape``
   beside ``cache_bytes_measured`` (with cache minus after load, same counter).
+
+``experiment.batch=B`` (B > 1, engines that set ``batches``): B sequences decoded together, each exactly N tokens:
+the run's prompt and B-1 variants of it (`` Once more.`` added once, twice, ...: prompts of their own lengths).
+Each is first decoded alone (N tokens, its reference), then the batch: every sequence must write in the batch the
+tokens it wrote alone (checked, else the cell fails). ``warm_1_s`` / ``warm_n_s`` time batched calls of 1 and N tokens
+a sequence; ``decode_tok_s`` = B(N-1)/(T_N - T_1), every sequence's tokens a second (what the machine delivers);
+``decode_tok_s_per_sequence`` = (N-1)/(T_N - T_1); ``decode_phase_tok_s`` = B(N-1)/decode_s.
 """
 
 from __future__ import annotations
@@ -22,16 +29,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from decodebench.config import ExperimentConfig
+from decodebench.config import ExperimentConfig, at_least
 from decodebench.evidence import Record, memory_peaks, samples, scalar
-from engines.base import Generation
-from experiments.cell import Cell, MethodError
+from engines.base import EngineLimit, Generation
+from experiments.cell import Cell, MethodError, timed
 from experiments.common import Result, answer
 
 
 @dataclass
 class DecodeExperimentConfig(ExperimentConfig):
-    """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1)."""
+    """The articles' method: warm 1-token and N-token calls, decode tok/s = (N-1)/(T_N - T_1); ``batch``: sequences
+    decoded together (1: the articles' one request)."""
+
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        at_least("experiment.", self, 1, "batch", why=" (sequences decoded together)")
 
 
 def headline(record: Record) -> str:
@@ -111,8 +124,97 @@ def phase_rates(cell: Cell, calls: list[Generation], result: Result) -> None:
     result.outputs["phase_timers"] = "engine timers inside each warm N-token call, device-synced at each boundary"
 
 
+def batch_prompts(prompt: str, batch: int) -> list[str]:
+    """The run's prompt and ``batch - 1`` variants of it, each longer than the one before (`` Once more.`` added
+    once more each time): sequences of their own lengths, so their positions differ in every step."""
+    return [prompt + " Once more." * b for b in range(batch)]
+
+
+def run_batch(cell: Cell, result: Result) -> Result:
+    """``experiment.batch`` sequences decoded together (the module docstring's method)."""
+    cfg, device, n, batch = cell.cfg, cell.device, cell.cfg.max_new_tokens, cell.cfg.experiment.batch
+    result.timers.update(
+        {
+            "load_s": "the engine's construction (OpenEngine.load), device.sync() before and after",
+            "first_call_s": f"first generate_batch of {batch} sequences x N, compile included, device.sync() around",
+            "warm_1_s": f"warm generate_batch of {batch} sequences x 1 token, device.sync() before and after",
+            "warm_n_s": f"warm generate_batch of {batch} sequences x N tokens, EOS ignored, device.sync() around",
+            "decode_tok_s": "B * (N-1) / (warm_n_s - warm_1_s), per repeat pair: every sequence's tokens a second",
+            "decode_tok_s_per_sequence": "(N-1) / (warm_n_s - warm_1_s), per repeat pair",
+            "decode_phase_tok_s": "B * (N-1) / decode_s, the engine's own timer inside each warm generate_batch",
+        }
+    )
+    prompts = [cell.opened.encode(text) for text in batch_prompts(cfg.prompt, batch)]
+    cell.require_fit(max(len(ids) for ids in prompts))
+    device.reset_peak()
+    cell.load()
+    engine = cell.engine
+    after_load = device.memory_now()
+    alone = [cell.call(ids, n).tokens for ids in prompts]  # each sequence's own tokens (and the one-row programs)
+    first, first_s = timed(device, lambda: cell.call_batch(prompts, n))
+    with_cache = device.memory_now()
+    differ = [i for i, (gen, own) in enumerate(zip(first, alone, strict=True)) if gen.tokens != own]
+    if differ:
+        at = [next(k for k, (a, b) in enumerate(zip(first[i].tokens, alone[i], strict=True)) if a != b)
+              for i in differ]  # fmt: skip
+        raise MethodError(f"in a batch of {batch}, sequences {differ} wrote other tokens than alone (first "
+                          f"difference at tokens {at}): a batched rate of other tokens is no rate of this "
+                          "way")  # fmt: skip
+    warm_1, warm_n, calls = [], [], []
+    for _ in range(cfg.repeats):
+        _, t1 = timed(device, lambda: cell.call_batch(prompts, 1))
+        gens, tn = timed(device, lambda: cell.call_batch(prompts, n))
+        if [g.tokens for g in gens] != alone:
+            raise MethodError("a warm batched call wrote different tokens from the sequences alone")
+        warm_1.append(t1)
+        warm_n.append(tn)
+        calls.append(gens[0])
+    pairs = Pairs(n, warm_1, warm_n, calls)
+    rates = [batch * r for r in pairs.rates]
+    if rates:
+        result.measurements["decode_tok_s"] = samples(rates, "tok/s", formula="B(N-1)/(T_N-T_1)", batch=batch)
+        result.measurements["decode_tok_s_per_sequence"] = samples(pairs.rates, "tok/s", formula="(N-1)/(T_N-T_1)")
+        result.samples.update(decode_tok_s=rates, decode_tok_s_per_sequence=pairs.rates)
+    phase = [batch * (n - 1) / gen.decode_s for gen in calls]
+    result.measurements["decode_phase_tok_s"] = samples(phase, "tok/s", formula="B(N-1)/decode_s, engine timers")
+    result.samples["decode_phase_tok_s"] = phase
+    cache = engine.cache_bytes()
+    result.measurements.update(
+        load_s=scalar(cell.load_s, "s"),
+        first_call_s=scalar(first_s, "s"),
+        warm_1_s=samples(warm_1, "s"),
+        warm_n_s=samples(warm_n, "s"),
+        batch=scalar(batch, "sequences"),
+        prompt_tokens=scalar(len(prompts[0]), "tok"),
+        max_new_tokens=scalar(n, "tok"),
+        memory_after_load=after_load,
+        memory_with_cache=with_cache,
+        **memory_peaks(device.peak_memory()),
+    )
+    if cache is not None:
+        held = "sum of K/V buffer nbytes: a ring a sequence, and the one-sequence ring prompts are read into"
+        result.measurements["cache_bytes_from_shape"] = scalar(cache * (batch + 1), "B", method=held)
+    result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n)
+    calls_made = batch + 1 + 2 * cfg.repeats
+    result.outputs["checks"] = result.outputs.get("checks", []) + [
+        {"rule": "exactly N tokens in every call", "holds": True,
+         "detail": f"{calls_made} calls, every sequence held to its count (another count fails the cell)"},
+        {"rule": "each sequence of the batch writes the tokens it writes alone", "holds": True,
+         "detail": f"{batch} sequences of {[len(p) for p in prompts]} prompt tokens, every batched call"},
+        pairs.check(),
+    ]  # fmt: skip
+    result.outputs.update(prompt_ids=prompts[0], batch_prompt_tokens=[len(p) for p in prompts],
+                          **answer(first[0].tokens, engine.eos_ids, engine.tokenizer))  # fmt: skip
+    return result
+
+
 def run(cell: Cell, result: Result | None = None) -> Result:
     cfg, device = cell.cfg, cell.device
+    if getattr(cfg.experiment, "batch", 1) > 1:
+        if not cell.opened.cls.batches:
+            raise EngineLimit(f"engine {cell.opened.name} decodes one sequence at a time: experiment.batch="
+                              f"{cfg.experiment.batch} needs an engine that batches (ring)")  # fmt: skip
+        return run_batch(cell, result or Result())
     n = cfg.max_new_tokens
     result = result or Result()
     result.timers.update(

@@ -133,8 +133,8 @@ def _sweep_rate_input(name: str, run: dict[str, Any], sweep: str) -> Input:
 
 
 # Rows compared by a ratio share these (and so their environment, code, A/A copy and prompt) besides the engine.
-RATIO_SAME = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens", "prompt_tokens",
-              "fingerprint", "code", "replica"]  # fmt: skip
+RATIO_SAME = ["model", "checkpoint", "device", "device_name", "context", "dtype", "max_new_tokens", "batch",
+              "prompt_tokens", "fingerprint", "code", "replica"]  # fmt: skip
 
 
 def decode_ratios(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> list[Entry]:
@@ -277,14 +277,21 @@ HELD_BYTES: dict[str, Callable[[int], float]] = {
 
 
 def bytes_per_token(
-    shape: dict[str, Any], layers: list[dict[str, Any]], dtype_bytes: int, position: int, weights: str = "dense"
+    shape: dict[str, Any],
+    layers: list[dict[str, Any]],
+    dtype_bytes: int,
+    position: int,
+    weights: str = "dense",
+    batch: int = 1,
 ) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``, in bytes.
 
     ``layers`` is the per-layer layout the evidence records (type, K/V source, head size, K/V heads,
-    MLP width). Linears and lm_head are read whole each step; the two embedding tables are gathered
-    (one row each); each layer reads its source cache over min(position, window) sliding or
-    position full slots. Every linear, ``lm_head`` included, is read at ``HELD_BYTES[weights]`` bytes a weight.
+    MLP width). Linears and lm_head are read whole each step, once for the ``batch`` sequences of the step (so
+    a token's share is 1/batch of them); the two embedding tables are gathered (one row each, a token); each
+    layer reads its source cache over min(position, window) sliding or position full slots, a sequence its own.
+    Every linear, ``lm_head`` included, is read at ``HELD_BYTES[weights]`` bytes a weight. Returns the weights'
+    bytes a token, the KV bytes a token, and ``parts``: what one step reads of each (linears and lm_head whole).
     """
     h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
     vocab, window = shape["vocab_size"], shape["sliding_window"]
@@ -306,7 +313,7 @@ def bytes_per_token(
         "lm_head": held(vocab * h),
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
-    return sum(parts.values()), kv, parts
+    return (parts["linears"] + parts["lm_head"]) / batch + parts["embedding rows"], kv, parts
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -323,7 +330,7 @@ class TokenBytes:
 
 
 def token_bytes(
-    model: dict[str, Any], dtype: str, prompt_tokens: Any, max_new_tokens: Any, weights: str
+    model: dict[str, Any], dtype: str, prompt_tokens: Any, max_new_tokens: Any, weights: str, batch: int = 1
 ) -> TokenBytes | None:
     """``bytes_per_token`` of a cell from its evidence (the model block's shape and layers, its dtype, prompt
     and N, how the linears are held: ``HELD_BYTES``); None when the evidence lacks the layout or the prompt's length,
@@ -333,7 +340,7 @@ def token_bytes(
     position = int(prompt_tokens + max_new_tokens // 2)
     if weights not in HELD_BYTES:
         return None
-    weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights)
+    weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights, batch)
     return TokenBytes(weight + kv, kv, parts, position)
 
 
@@ -342,8 +349,9 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
     row's own prompt and bandwidth (``row.bandwidth_note`` says when its files measured different ones)."""
     entries = []
     for _, row in decode.iterrows():
+        batch = int(row.get("batch", 1) or 1)
         read = token_bytes(
-            models.get(row.files[0], {}), row["dtype"], row.prompt_tokens, row.max_new_tokens, row.weights
+            models.get(row.files[0], {}), row["dtype"], row.prompt_tokens, row.max_new_tokens, row.weights, batch
         )
         if read is None or _missing(row.bandwidth_gb_s):
             continue
@@ -353,8 +361,10 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
             Entry(
                 f"bytes-per-token/{row.engine}/{label}",
                 f"bytes read per decoded token by {row.engine} (linears {held}, "
-                f"the rest at the engine's resident {row['dtype']} precision, KV at position {read.position})",
-                "linears + lm_head + embedding rows + KV(position)",
+                f"the rest at the engine's resident {row['dtype']} precision, KV at position {read.position}"
+                + (f"; linears and lm_head read once a step for {batch} sequences" if batch > 1 else "") + ")",
+                "linears + lm_head + embedding rows + KV(position)" if batch == 1
+                else f"(linears + lm_head) / {batch} + embedding rows + KV(position)",
                 [
                     Input(name, value, "B", f"model shape and layers in {row.files[0]}")
                     for name, value in read.parts.items()

@@ -1,11 +1,11 @@
 """Short names for the ways of a table (``ring·int4``), and the legend that maps each back to its full settings.
 
 A way's short label is its engine followed by the values of only those settings that vary among that engine's rows
-(``engine_config`` pairs, then ``read_every``, the article way a cell names, the A/A replica), joined by ``·``: two
-ring rows that differ only in ``weights`` read ``ring·dense`` and ``ring·int4``, an engine measured one way only
-reads its bare name. A value that says nothing alone (``true``, ``none``, a number) keeps its key (``compile=true``).
-Model, device, context and N are columns of the tables beside the label, never part of it; environment and code
-are footnotes (``footnotes``).
+(``engine_config`` pairs, then ``read_every``, the article way a cell names, the A/A replica, the batch: ``B=4``),
+joined by ``·``: two ring rows that differ only in ``weights`` read ``ring·dense`` and ``ring·int4``, an engine
+measured one way only reads its bare name. A value that says nothing alone (``true``, ``none``, a number) keeps
+its key (``compile=true``). Model, device, context and N are columns of the tables beside the label, never part of
+it; environment and code are footnotes (``footnotes``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 SEPARATOR = "·"
+LAST = ("read_every", "way", "replica", "batch")  # after the engine's own settings, in this order
 LEGEND_COLUMNS = ["way", "engine", "settings", "read_every", "article_way", "replica"]
 MARKS = "¹²³⁴⁵⁶⁷⁸⁹"  # footnote marks of a table's environments, in order; then [10], [11], ...
 
@@ -23,6 +24,7 @@ def _fields(row: pd.Series) -> dict[str, str]:
     fields["read_every"] = str(row.read_every or 0)
     fields["way"] = row.way if isinstance(row.way, str) else ""
     fields["replica"] = str(int(row.replica or 0))
+    fields["batch"] = str(int(getattr(row, "batch", 1) or 1))
     return fields
 
 
@@ -30,6 +32,8 @@ def _part(key: str, value: str) -> str:
     """One setting in a label: its value where the value names itself, ``key=value`` where it does not."""
     if key == "replica":
         return f"A/A{value}"
+    if key == "batch":
+        return f"B={value}"
     if key == "read_every":
         return f"read_every={value}"
     if key == "way":
@@ -44,7 +48,8 @@ def short_labels(table: pd.DataFrame) -> pd.Series:
     fields = {i: _fields(row) for i, row in table.iterrows()}
     labels = {}
     for _, group in table.groupby("engine", sort=False):
-        keys = sorted({k for i in group.index for k in fields[i]})
+        named = sorted({k for i in group.index for k in fields[i]} - set(LAST))
+        keys = [*named, *LAST]
         varying = [k for k in keys if len({fields[i].get(k, "") for i in group.index}) > 1]
         for i in group.index:
             parts = [_part(k, fields[i].get(k, "")) for k in varying]

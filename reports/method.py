@@ -28,6 +28,9 @@ Fields and where a measured row's value comes from:
 * ``loader``: ``decodebench``, ``transformers`` (packed at load, unpacked at the first forward) or
   ``transformers_dense`` (unpacked at load) (``engine.loader`` in the evidence or the config).
 * ``way``: ``config.way``, the article's row the cell names (``conf/way/``), or None.
+* ``batch``: sequences decoded together (``experiment.batch``; 1 in evidence without it). A published figure
+  without it is 1: both articles measured one request at a time (the Rust article: "concurrent requests were
+  not run on this rig").
 
 Equality, field by field (``differences``):
 
@@ -49,7 +52,8 @@ from typing import Any
 from decodebench.evidence import Record
 
 FIELDS = ("engine", "mode", "kept_4bit", "read_every", "served", "experiment", "context", "twin", "dtype",
-          "max_new_tokens", "prompt", "loader", "way")  # fmt: skip
+          "max_new_tokens", "prompt", "loader", "way", "batch")  # fmt: skip
+ONE_AT_A_TIME = {"batch": 1}  # a key field's value where a key does not give it (published or older evidence)
 ANY = "any"
 MODES = ("eager", "fuse", "compiled")
 KEPT_4BIT = ("none", "per-layer table", "all tables", "all linears")
@@ -57,7 +61,7 @@ SERVED = ("bare", "served")
 EXPERIMENTS = ("decode", "recall", "serve")
 TWINS = ("ct-text", "emb4")
 LOADERS = ("decodebench", "transformers", "transformers_dense")
-INTEGERS = ("read_every", "context", "max_new_tokens")
+INTEGERS = ("read_every", "context", "max_new_tokens", "batch")
 # Each engine's mode where its config does not say (evidence written before the setting existed, or an engine
 # with one mode only): Transformers' generate runs eager, fuse under defer-and-fuse, the stepping engines and
 # JAX compile their step.
@@ -146,6 +150,7 @@ def of_record(record: Record) -> dict[str, Any]:
         "prompt": {"text": cfg.get("prompt"), "tokens": record.value("prompt_tokens")},
         "loader": loader(engine, record.engine),
         "way": cfg.get("way"),
+        "batch": int(cfg["experiment"].get("batch", 1)),
     }
 
 
@@ -178,7 +183,7 @@ def differences(measured: dict[str, Any], published: dict[str, Any] | None, igno
     for field in FIELDS:
         if field in ignore:
             continue
-        have, want = measured.get(field), published.get(field)
+        have, want = measured.get(field, ONE_AT_A_TIME.get(field)), published.get(field, ONE_AT_A_TIME.get(field))
         if field == "way":
             ways = want if isinstance(want, list) else [want] if want else []
             if have is not None and have not in ways:

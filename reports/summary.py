@@ -1,8 +1,9 @@
 """The report's first screen: per model and device, the answer a reader came for, in sentences generated from the
 report's own tables (never typed), each linking to the section that holds its figures.
 
-* **Fastest**: the fastest VALID in-process way at the smallest context measured, its rate [95% interval] n, its
-  multiple of ``generate``, its fraction of the roofline, first call and peak memory (the decode table's row).
+* **Fastest**: the fastest VALID in-process way at one sequence and the smallest context measured, its rate [95%
+  interval] n, its multiple of ``generate``, its fraction of the roofline, first call and peak memory.
+* **Batched**: each way measured at several batches, its rate (every sequence's tokens a second) at each.
 * **Peers**: each peers table's own verdict sentence (``reports.tables.peers``).
 * **Long context**: the fastest VALID way at the largest context measured, and its recall where measured.
 * **Serving**: output tok/s and TTFT p50 at concurrency 1 and 4 per load cell (``reports.tables.load``).
@@ -70,7 +71,8 @@ def screens(
         synthetic = bool(group.synthetic.any())
         title = f"{model} on {device}" + (f" ({name})" if name else "") + (", synthetic weights" if synthetic else "")
         lines = [
-            _fastest(rows),
+            _fastest(rows[rows.batch == 1]),
+            _batched(rows),
             *[f"Peers ({t.title.split(': ', 1)[-1]}): {t.verdict} [→ peers]({PEERS})" for t in peers
               if t.model == model and t.device == device],  # fmt: skip
             _long_context(rows, recall[(recall.model == model) & (recall.device == device)]),
@@ -107,6 +109,26 @@ def _fastest(rows: pd.DataFrame) -> str:
         f"peak {best.memory_peak / 1e9:.2f} GB" if pd.notna(best.memory_peak) else "peak not measured",
     ]
     return f"Fastest VALID way: {_describe(best)}: {', '.join(extras)}. [→ decode]({DECODE})"
+
+
+def _batched(rows: pd.DataFrame) -> str | None:
+    """Each way measured at more than one batch: its aggregate rate at each (``experiment.batch``); None when
+    no row here decoded more than one sequence a step."""
+    if not (rows.batch > 1).any():
+        return None
+    parts = []
+    for (_, _, context, n), way in rows.groupby(["engine", "engine_config", "context", "max_new_tokens"]):
+        if not (way.batch > 1).any():
+            continue
+        by_batch = way.sort_values("batch").drop_duplicates("batch", keep="last")
+        rates = ", ".join(f"B={int(r.batch)} {r.decode_median:.2f}" for _, r in by_batch.iterrows())
+        one = by_batch[by_batch.batch == 1]
+        best = by_batch.loc[by_batch.decode_median.astype(float).idxmax()]
+        times = "" if one.empty else f"{best.decode_median / one.decode_median.iloc[0]:.2f}x"
+        gain = f" ({times} B=1 at B={int(best.batch)})" if times else ""
+        label = way.way_label.iloc[0].split("·B=")[0]
+        parts.append(f"**{label}** {rates} tok/s{gain} (context {context}, N={int(n)})")
+    return f"Batched decode (every sequence's tokens a second): {'; '.join(parts)}. [→ decode]({DECODE})"
 
 
 def _long_context(rows: pd.DataFrame, recall: pd.DataFrame) -> str:

@@ -119,7 +119,8 @@ def _forwarded(headers: Any) -> dict[str, str]:
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
     """OpenAI's error shape, so an OpenAI client says what went wrong."""
-    body = {"message": message, "type": "server_error", "param": None, "code": code}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"message": message, "type": kind, "param": None, "code": code}
     return JSONResponse({"error": body}, status_code=status)
 
 
@@ -174,9 +175,10 @@ def create_shim(upstream: Upstream, read_timeout_s: float = 600.0) -> FastAPI:
     async def passthrough(path: str, request: Request) -> Response:
         body = await request.body()  # read before watching for a disconnect (that reads the same channel)
         headers = _forwarded(request.headers)
+        sent = request.scope.get("raw_path") or f"/{path}".encode()  # the path as the client sent it, still %-encoded
 
         def build(url: str) -> httpx.Request:
-            return client.build_request(request.method, f"{url}/{path}", params=request.query_params,
+            return client.build_request(request.method, f"{url}{sent.decode('latin-1')}", params=request.query_params,
                                         headers=headers, content=body)  # fmt: skip
 
         async def gone() -> None:
@@ -199,6 +201,8 @@ def create_shim(upstream: Upstream, read_timeout_s: float = 600.0) -> FastAPI:
                           "upstream_unreachable")  # fmt: skip
         except UpstreamLookupError as exc:
             return _error(502, f"no upstream: {exc}", "upstream_lookup_failed")
+        except httpx.InvalidURL as exc:  # a path no URL can carry: the client's request, not the upstream
+            return _error(400, f"{request.method} {path!r}: not a path this shim can forward ({exc})", "invalid_path")
         except httpx.HTTPError as exc:
             return _error(502, f"the upstream {upstream.url} failed: {type(exc).__name__}: {exc}", "upstream_error")
 

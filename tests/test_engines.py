@@ -155,7 +155,7 @@ def test_grouped_attention_equals_sdpa_with_gqa():
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=keep[None, None], scale=0.25, enable_gqa=True
     )
-    assert torch.allclose(grouped_attention(q, k, v, keep.repeat(4, 1), 0.25), expected, atol=1e-6)
+    assert torch.allclose(grouped_attention(q, k, v, keep.repeat(4, 1)[None], 0.25), expected, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from serving.worker import EngineWorker, Metrics
 from tests.conftest import REPO, make_cfg, opened, served_line, spawn_serve, stop
 
 MODEL = "tiny"
+START_S = 240  # a server's load and warm-up on this machine's shared cores
 
 
 class Paced:
@@ -58,7 +59,8 @@ def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine
 
 @contextmanager
 def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, Any]]:
-    """An engine (read every token) built, warmed and served on its own thread; the app on another."""
+    """An engine (read every token) built, warmed and served on its own thread; the app on another; both stopped
+    whatever the caller raised. Yields ``url``, ``worker``, ``paced`` (the pacer), ``opened`` and ``served``."""
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
@@ -76,12 +78,14 @@ def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, An
 
     thread = threading.Thread(target=engine_thread, name="test-engine", daemon=True)
     thread.start()
-    assert ready.wait(300), "the engine thread did not start"
-    with running(create_app(state["served"], state["worker"], state["opened"])) as url:
-        state["url"] = url
-        yield state
-    stop.set()
-    thread.join(30)
+    try:
+        assert ready.wait(START_S), "the engine thread did not start"
+        with running(create_app(state["served"], state["worker"], state["opened"])) as url:
+            state["url"] = url
+            yield state
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,42 +20,14 @@ import openai
 import pytest
 
 from serving import browser, shim
-from serving.listen import running
-from serving.server import create_app, describe_engine
-from serving.worker import EngineWorker, Metrics
-from tests.conftest import REPO, default_sigint, opened, served_line, spawn_serve, stop
-from tests.test_serve import Paced, chat, metrics, wait_until
-
-MODEL = "tiny"
-START_S = 240  # a server's load and warm-up on this machine's shared cores
+from tests.conftest import REPO, default_sigint, served_line, spawn_serve, stop
+from tests.test_serve import MODEL, START_S, chat, metrics, serving_engine, wait_until
 
 
-@contextmanager
-def local_server(cache_dir: Path) -> Iterator[dict[str, Any]]:
+def local_server(cache_dir: Path) -> AbstractContextManager[dict[str, Any]]:
     """decodebench's server over a tiny ring engine (backend none), built and served on an engine thread of
     its own (as serve.py does on its main thread), uvicorn on another; yields url, worker and the pacer."""
-    ready, stop, state = threading.Event(), threading.Event(), {}
-
-    def engine_thread() -> None:
-        ring = opened(f"cache_dir={cache_dir}", "engine=ring", "read_every=1", "engine.backend=none")
-        ring.load()
-        ring.engine.generate([2, 3, 4], 3)  # warm-up
-        paced = Paced(ring.engine)
-        state.update(opened=ring, paced=paced, served=describe_engine(ring, MODEL, 0.0, 0.0, 1),
-                     worker=EngineWorker(paced, Metrics(), read_every=1))  # fmt: skip
-        ready.set()
-        state["worker"].serve_until(stop.is_set)
-
-    thread = threading.Thread(target=engine_thread, name="shim-test-engine", daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(START_S), "the engine thread did not start"
-        with running(create_app(state["served"], state["worker"], state["opened"])) as url:
-            state["url"] = url
-            yield state
-    finally:
-        stop.set()
-        thread.join(30)
+    return serving_engine(cache_dir, "ring", "engine.backend=none")
 
 
 @pytest.fixture(scope="module")

@@ -146,12 +146,13 @@ def _key(row: pd.Series) -> str:
     replica."""
     engine = f"/{row.engine_config.replace(' ', ',')}" if row.engine_config else ""
     replica = f"/replica={row.replica}" if row.replica else ""
+    batch = f"/B={int(row.batch)}" if row.batch > 1 else ""
     prompt = "" if pd.isna(row.prompt_tokens) else f"/P={int(row.prompt_tokens)}"
     way = f"/way={row.way}" if isinstance(row.way, str) else ""
     code = f"/code={row.code}" if row.code else ""
     return (
         f"{row.model}/{row.checkpoint}/{row.device}/ctx{row.context}{prompt}/{row['dtype']}/N={_count(row.max_new_tokens)}"
-        f"/read_every={row.read_every}{engine}{way}{code}/env={row.fingerprint}{replica}"
+        f"{batch}/read_every={row.read_every}{engine}{way}{code}/env={row.fingerprint}{replica}"
     )
 
 
@@ -167,7 +168,8 @@ def _label(row: pd.Series) -> str:
     backend = f", {backend}" if backend else ""
     replica = f", replica {row.replica}" if row.replica else ""
     way = f", way {row.way}" if isinstance(row.way, str) else ""
-    where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}"
+    batch = f", batch {int(row.batch)}" if row.batch > 1 else ""
+    where = f"{row.model}, {row.device}, ctx {row.context}, N={_count(row.max_new_tokens)}{batch}"
     code = f" @ {row.code}" if row.code else ""
     return f"{row.engine} ({where}{stream}{backend}{way}{replica}, env {row.fingerprint}{code})"
 

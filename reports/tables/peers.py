@@ -29,7 +29,8 @@ import pandas as pd
 from reports import uncertainty
 from reports.verdicts import VALID
 
-PEER_GROUP = ["model", "synthetic", "device", "hardware", "fingerprint", "context", "max_new_tokens", "prompt_tokens"]
+PEER_GROUP = ["model", "synthetic", "device", "hardware", "fingerprint", "context", "max_new_tokens", "batch",
+              "prompt_tokens"]  # fmt: skip
 PEER_COLUMNS = ["decode_row", "way", "peer", "engine", "engine_config", "dtype", "precision", "decode",
                 "decode_values", "x_fastest_peer", "x_shown", "startup_s", "memory_peak_bytes", "verdict", "weights",
                 "files"]  # fmt: skip
