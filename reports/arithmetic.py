@@ -166,8 +166,8 @@ def decode_ratios(decode: pd.DataFrame, floors: dict[str, float] | None = None) 
     return entries
 
 
-JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens", "prompt_tokens", "fingerprint",
-                 "code", "replica"]  # fmt: skip
+JAX_GAP_GROUP = ["model", "checkpoint", "device", "context", "dtype", "max_new_tokens", "batch", "prompt_tokens",
+                 "fingerprint", "code", "replica"]  # fmt: skip
 JAX_GAP_PUBLISHED = ("jax_vs_best_torch_nb03", "jax_w4a16_vs_best_torch_nb03", "jax_vs_table4_nb04")
 
 

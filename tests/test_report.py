@@ -207,6 +207,7 @@ def row(**values) -> pd.Series:
         "dtype": "bfloat16",
         "read_every": 0,
         "max_new_tokens": 64,
+        "batch": 1,
         "decode_median": 50.0,
         "n": 2,
         "files": ["evidence/runs/x.json"],
