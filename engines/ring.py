@@ -156,8 +156,9 @@ class RingCache:
         self.query_pos = positions
         self.ring_slot = positions % self.ring_slots
         recorded = torch.where(valid, positions, torch.full_like(positions, -1))
-        self.ring_pos.scatter_(1, self.ring_slot, recorded)
-        self.full_pos.scatter_(1, positions, recorded)
+        for row in range(self.batch):  # a row's own slots: index_copy_, the one-sequence ring's kernel, per row
+            self.ring_pos[row].index_copy_(0, self.ring_slot[row], recorded[row])
+            self.full_pos[row].index_copy_(0, positions[row], recorded[row])
         qpos = positions[:, :, None]
         ring, full = self.ring_pos[:, None, :], self.full_pos[:, None, : self.bucket]
         self.masks = {
@@ -167,10 +168,11 @@ class RingCache:
         self.folded = {}
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K and V [B, heads, S, dim] into each sequence's slots of this forward."""
-        slots = (self.ring_slot if self.sliding[layer] else self.query_pos)[:, None, :, None].expand_as(k)
-        self.k[layer].scatter_(2, slots, k)
-        self.v[layer].scatter_(2, slots, v)
+        """K and V [B, heads, S, dim] into each sequence's slots of this forward (row by row: the batch is small)."""
+        slots = self.ring_slot if self.sliding[layer] else self.query_pos
+        for row in range(self.batch):
+            self.k[layer][row].index_copy_(1, slots[row], k[row])
+            self.v[layer][row].index_copy_(1, slots[row], v[row])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the layer's source: every ring slot (sliding), or the first ``bucket`` slots (full)."""
