@@ -1,9 +1,10 @@
 """Hardware facts for derived figures: ``conf/hardware/<name>.yaml``, plus a bandwidth measurement.
 
 ``facts`` is a pure function of the config and the device. Where a facts file gives no memory
-bandwidth, ``bandwidth`` measures it once per host, device and sweep (best of many copies) and keeps
-the measurement beside the cache, so every cell of a sweep divides by the same denominator; each
-cell's evidence records the measurement it used, with the file it came from.
+bandwidth, ``bandwidth`` measures it once per host, device and sweep (the best of many streaming reads, what a
+decode step does, with the best streaming copy beside it) and keeps the measurement beside the cache, so every
+cell of a sweep divides by the same denominator; each cell's evidence records the measurement it used, with the
+file it came from.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, An
     path = Path(cache_dir) / "bandwidth" / sweep / f"{host}-{device.kind}-{name}.json"
     if path.is_file():
         kept = evidence.read(path)
-        if kept.get("host") == host and kept.get("device") == device.name and kept.get("device_kind") == device.kind:
+        same = kept.get("host") == host and kept.get("device") == device.name and kept.get("device_kind") == device.kind
+        if same and "copy" in kept:  # a file from before the read was measured is measured again
             return {**kept, "file": str(path)}
     measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "host": host, "device": device.name,
                 "device_kind": device.kind}  # fmt: skip

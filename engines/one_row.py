@@ -10,17 +10,33 @@ against 19.8. A prompt piece (more than one row) keeps ``F.linear``.
 
 * ``linear``: ``F.linear`` for every row count (Transformers' own modules, unchanged);
 * ``mv``: one row through ``torch.mv``;
-* ``auto``: ``mv`` on a CPU, ``linear`` elsewhere (a GPU's BLAS and XLA already treat one row as a
-  matrix-vector product).
+* ``auto``: on a CPU, whichever of the two reads the model's own weights faster on this machine (``choose``): each
+  distinct dense weight shape timed both ways (best of ``TIMED_CALLS``), summed over the linears of that shape,
+  once per CPU model and flags, torch version, threads, dtype and shapes, cached in ``<cache_dir>/one_row/`` and
+  recorded in the evidence; ``linear`` elsewhere (a GPU's BLAS and XLA already treat one row as a
+  matrix-vector product). The choice is the machine's: on a 2-core Xeon with AMX ``mv`` read faster, on a
+  2-core AMD EPYC (AVX-512, no AMX) ``F.linear`` did (issue 43).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
 from enum import StrEnum
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from decodebench.environment import cpu_flags, cpu_model
+from decodebench.files import write_text_atomic
+
+TIMED_CALLS = 5  # each shape's product timed this many times each way, the best kept
 
 
 class OneRow(StrEnum):
@@ -31,11 +47,69 @@ class OneRow(StrEnum):
     mv = "mv"
 
 
-def resolve(requested: OneRow, device_kind: str) -> OneRow:
-    """``auto`` -> ``mv`` on a CPU, ``linear`` elsewhere; an explicit choice stands."""
-    if requested == OneRow.auto:
-        return OneRow.mv if device_kind == "cpu" else OneRow.linear
-    return requested
+@dataclass(frozen=True)
+class Choice:
+    """What ``engine.one_row`` resolved to and why: ``how`` is ``set`` (on the command line), ``not a CPU``,
+    ``measured`` or ``cached`` (the file); with ``auto`` on a CPU, each way's milliseconds for one row through
+    every dense linear of the model (the sum of each shape's best call times its count)."""
+
+    one_row: OneRow
+    how: str
+    linear_ms: float | None = None
+    mv_ms: float | None = None
+    shapes: int | None = None  # distinct dense weight shapes timed
+
+    def record(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, OneRow) else v for k, v in asdict(self).items()}
+
+
+def dense_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` modules of ``model`` (not ``Int4Linear``, not a linear whose forward a wrapper
+    replaced: compressed-tensors' dispatch, hooks): those whose one-row call ``engine.one_row`` decides."""
+    return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+
+
+def best_ms(fn: Any) -> float:
+    """The fastest of ``TIMED_CALLS`` calls of ``fn`` in milliseconds, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(TIMED_CALLS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cache_dir: str | Path | None) -> Choice:
+    """``engine.one_row`` resolved for ``weights`` (the model's dense linear weights): an explicit choice stands;
+    ``auto`` is ``linear`` off a CPU, and on a CPU the faster way over these weights on this machine, measured once
+    and cached (``cache_dir`` None: measured every time)."""
+    if requested != OneRow.auto:
+        return Choice(requested, "set")
+    if device_kind != "cpu" or not weights:
+        return Choice(OneRow.linear, "not a CPU" if device_kind != "cpu" else "no dense linear")
+    counts = Counter((tuple(w.shape), str(w.dtype)) for w in weights)
+    key = {"cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "shapes": sorted([list(shape), dtype, n] for (shape, dtype), n in counts.items())}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "one_row" / f"{digest}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        return Choice(OneRow(saved["one_row"]), f"cached ({path})", saved["linear_ms"], saved["mv_ms"], len(counts))
+    first = {}
+    for w in weights:
+        first.setdefault((tuple(w.shape), str(w.dtype)), w)
+    linear_ms = mv_ms = 0.0
+    with torch.inference_mode():
+        for shape, n in counts.items():
+            weight = first[shape]
+            row = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
+            linear_ms += n * best_ms(lambda w=weight, x=row: F.linear(x[None], w))
+            mv_ms += n * best_ms(lambda w=weight, x=row: torch.mv(w, x))
+    choice = Choice(OneRow.mv if mv_ms < linear_ms else OneRow.linear, "measured", linear_ms, mv_ms, len(counts))
+    if path is not None:
+        write_text_atomic(path, json.dumps({**key, **choice.record()}, indent=2) + "\n")
+    return choice
 
 
 @torch.library.custom_op("decodebench::one_row_mv", mutates_args=())
@@ -66,10 +140,9 @@ class RowLinear(nn.Linear):
 
 
 def swap_dense_linears(model: nn.Module) -> int:
-    """Makes every plain ``nn.Linear`` of ``model`` a ``RowLinear`` in place (no weight is copied); returns
-    how many. Modules of other classes (``Int4Linear``) and linears whose forward a wrapper replaced
-    (compressed-tensors' dispatch, hooks) are left as they are."""
-    linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+    """Makes every plain ``nn.Linear`` of ``model`` (``dense_linears``) a ``RowLinear`` in place (no weight is
+    copied); returns how many."""
+    linears = dense_linears(model)
     for module in linears:
         module.__class__ = RowLinear
     return len(linears)

@@ -28,7 +28,8 @@ class RustEngineConfig(EngineConfig):
     """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces. ``mode=fuse``
     runs every call under TorchTPU's defer-and-fuse (the Rust article's ``SERVE_DEFER_AND_FUSE=1``: a
     compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
-    which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is ``at::mv`` on a CPU,
+    which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is the faster of ``at::mv`` and
+    the matrix product on this CPU, measured on the model's shapes,
     ``at::linear`` elsewhere)."""
 
     piece: int = 256
@@ -106,7 +107,10 @@ class RustEngine(Engine):
         for layer_type in ("sliding_attention", "full_attention"):
             weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
-        self.one_row = one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind)
+        dense = [m.weight for m in one_row.dense_linears(model)]
+        self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, dense,
+                                             self.ctx.cache_dir)  # fmt: skip
+        self.one_row = self.one_row_choice.one_row
         config["one_row_mv"] = self.one_row == OneRow.mv
         self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
         self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
@@ -150,4 +154,4 @@ class RustEngine(Engine):
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
         return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                 "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
-                "one_row": str(self.one_row)}  # fmt: skip
+                "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record()}  # fmt: skip

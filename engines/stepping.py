@@ -64,8 +64,9 @@ class SteppingEngineConfig(EngineConfig):
     ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels), over ``INDUCTOR_DEFAULTS``
     (``+engine.inductor.emulate_precision_casts=false`` turns eager's rounding off); refused with any other
     backend, and an option TorchInductor does not know is refused by it when the step compiles.
-    ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is ``mv`` on
-    a CPU); refused as ``mv`` where no linear is dense (``engine.weights=int4``).
+    ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the faster of
+    the two on this CPU, measured on the model's own shapes); refused as ``mv`` where no linear is dense
+    (``engine.weights=int4``).
     """
 
     backend: str = "auto"
@@ -123,8 +124,13 @@ class SteppingEngine(SteppedEngine):
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.row_linears = 0
-        if self.takes_one_row() and one_row.resolve(self.ctx.engine_cfg.one_row, self.ctx.device.kind) == OneRow.mv:
-            self.row_linears = one_row.swap_dense_linears(self.model)
+        self.one_row_choice = None
+        if self.takes_one_row():
+            weights = [m.weight for m in one_row.dense_linears(self.model)]
+            self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, weights,
+                                                 self.ctx.cache_dir)  # fmt: skip
+            if self.one_row_choice.one_row == OneRow.mv:
+                self.row_linears = one_row.swap_dense_linears(self.model)
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 
@@ -211,6 +217,7 @@ class SteppingEngine(SteppedEngine):
             "inductor": self.inductor_options(),
             "one_row": str(OneRow.mv if self.row_linears else OneRow.linear),
             "one_row_mv_linears": self.row_linears,
+            "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -74,6 +74,20 @@ def test_bandwidth_is_measured_once_per_host_and_sweep(tmp_path):
     assert hardware.bandwidth(device, tmp_path, "s2")["file"] != first["file"]
 
 
+def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_path):
+    from decodebench import hardware
+
+    device = resolve_device("cpu")
+    first = hardware.bandwidth(device, tmp_path, "s1")
+    assert first["method"].startswith("torch sum over") and "bytes read / seconds" in first["method"]
+    copy = first["copy"]
+    assert copy["method"].startswith("torch copy_") and copy["value"] == max(copy["samples"])
+    assert len(copy["samples"]) == len(first["samples"]) == hardware.BANDWIDTH_COPIES
+    older = {k: v for k, v in json.loads(Path(first["file"]).read_text()).items() if k != "copy"}
+    Path(first["file"]).write_text(json.dumps(older | {"value": 1.0e6}))  # a file measured before the read was
+    assert hardware.bandwidth(device, tmp_path, "s1")["value"] != 1.0e6, "measured again, read and copy"
+
+
 def test_a_bandwidth_file_from_another_host_or_device_is_never_reused(tmp_path, monkeypatch):
     from decodebench import hardware
     from decodebench.device import Device

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.one_row import OneRow, RowLinear, resolve, swap_dense_linears
+from engines import one_row
+from engines.one_row import OneRow, RowLinear, choose, swap_dense_linears
 from runner import run_cell
 
 NOT_COMPILED = ("engine.backend=none",)
@@ -43,10 +44,32 @@ def test_swap_leaves_other_modules_and_wrapped_linears():
     assert type(plain) is RowLinear and type(wrapped) is nn.Linear and type(other) is nn.Embedding
 
 
-def test_auto_is_mv_on_a_cpu_only():
-    assert resolve(OneRow.auto, "cpu") == OneRow.mv
-    assert resolve(OneRow.auto, "cuda") == resolve(OneRow.auto, "tpu") == OneRow.linear
-    assert resolve(OneRow.linear, "cpu") == OneRow.linear and resolve(OneRow.mv, "tpu") == OneRow.mv
+def test_an_explicit_choice_stands_and_auto_is_linear_off_a_cpu(tmp_path):
+    weights = [torch.randn(8, 4)]
+    assert choose(OneRow.mv, "tpu", weights, tmp_path).one_row == OneRow.mv
+    assert choose(OneRow.linear, "cpu", weights, tmp_path) == one_row.Choice(OneRow.linear, "set")
+    assert choose(OneRow.auto, "cuda", weights, tmp_path).one_row == OneRow.linear
+    assert not (tmp_path / "one_row").exists()  # nothing was timed
+
+
+@pytest.mark.parametrize(("mv_ms", "picked"), [(1.0, OneRow.mv), (3.0, OneRow.linear)])
+def test_auto_on_a_cpu_picks_the_faster_way_over_the_models_shapes_once(tmp_path, monkeypatch, mv_ms, picked):
+    """Each distinct shape timed both ways, weighted by how many linears have it; the choice cached per machine."""
+    timed = []
+
+    def fake_best_ms(fn):
+        timed.append(fn)
+        return mv_ms if len(timed) % 2 == 0 else 2.0  # linear, then mv, for each shape
+
+    monkeypatch.setattr(one_row, "best_ms", fake_best_ms)
+    weights = [torch.randn(8, 4), torch.randn(8, 4), torch.randn(16, 4)]  # two shapes, three linears
+    choice = choose(OneRow.auto, "cpu", weights, tmp_path)
+    assert (choice.one_row, choice.how, choice.shapes, len(timed)) == (picked, "measured", 2, 4)
+    assert (choice.linear_ms, choice.mv_ms) == (3 * 2.0, 3 * mv_ms)
+    again = choose(OneRow.auto, "cpu", weights, tmp_path)
+    assert again.one_row == picked and again.how.startswith("cached") and len(timed) == 4  # read, not timed
+    monkeypatch.setattr(torch, "__version__", "0.0-other")  # another torch: measured again
+    assert choose(OneRow.auto, "cpu", weights, tmp_path).how == "measured" and len(timed) == 8
 
 
 @pytest.mark.parametrize("engine", ["compiled", "ring"])
@@ -54,16 +77,18 @@ def test_a_stepping_engine_writes_the_same_tokens_either_way(cell_cfg, tiny, eng
     records = {
         setting: run_cell(cell_cfg(f"engine={engine}", *NOT_COMPILED, "max_new_tokens=12", "repeats=1",
                                    f"engine.one_row={setting}"))  # fmt: skip
-        for setting in ("auto", "linear")
+        for setting in ("mv", "linear", "auto")
     }
     for record in records.values():
         assert record["status"] == "ok", record["reason"]
-    auto, linear = records["auto"]["engine"], records["linear"]["engine"]
-    assert auto["one_row"] == "mv" and linear["one_row"] == "linear" and linear["one_row_mv_linears"] == 0
+    mv, linear, auto = (records[s]["engine"] for s in ("mv", "linear", "auto"))
+    assert mv["one_row"] == "mv" and linear["one_row"] == "linear" and linear["one_row_mv_linears"] == 0
+    assert auto["one_row"] == auto["one_row_choice"]["one_row"] and auto["one_row_choice"]["how"] != "set"
     # tiny: 6 layers of q, k, v, o, gate, up, down, per-layer gate and projection, less k, v on the KV-shared
     # layers; the per-layer model projection and lm_head
     layers, shared = 6, 2
-    assert auto["one_row_mv_linears"] == 9 * layers - 2 * shared + 2
+    assert mv["one_row_mv_linears"] == 9 * layers - 2 * shared + 2
+    assert records["mv"]["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"]
     assert records["auto"]["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"]
 
 
