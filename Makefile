@@ -134,10 +134,11 @@ reproduce: setup
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
 # each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
 # then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the ring decoding PEERS_BATCHES sequences together
-# (experiment.batch: what batching buys, beside llama.cpp's slots under load), then the Rust article's rows as it
-# ran them (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token call (the
-# prompt read as one padded 256-token piece, about 4 s on e2b-synthetic) varied by more than the 15 tokens' decode
-# took, and a pair broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an
+# (experiment.batch at N=32, 3 pairs; each prompt read at about its own length, last_piece=bucketed, with its own
+# parity check: every call reads B prompts, padded to 256 tokens each they took 4 s apiece), then the Rust article's
+# rows as it ran them (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token
+# call (the prompt read as one padded 256-token piece) varied by more than the 15 tokens' decode took, and a pair
+# broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an
 # interrupted sweep goes on where it stopped).
 PEERS_MODEL ?= e2b-synthetic
 PEERS_SWEEP ?= peers-$(PEERS_MODEL)
@@ -147,13 +148,14 @@ PEERS_STEPS := "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max
   "experiment=load max_new_tokens=16"
 PEERS_ENGINES := "engine=generate,compiled,rust,jax" "engine=ring engine.weights=dense,int4" \
   "engine=llamacpp engine.quant=bf16,q8_0,q4_0" "engine=vllm"
-PEERS_BATCHES ?= 2,4,8
+PEERS_BATCHES ?= 1,2,4,8
+PEERS_BATCHED := engine=ring engine.weights=dense,int4 engine.last_piece=bucketed
 peers-sweep: setup
 	@for step in $(PEERS_STEPS); do \
 	  for engines in $(PEERS_ENGINES); do $(PEERS_RUN) $$step $$engines || exit 1; done; \
 	done
-	$(PEERS_RUN) experiment=decode max_new_tokens=64 engine=ring engine.weights=dense,int4 \
-	  experiment.batch=$(PEERS_BATCHES)
+	$(PEERS_RUN) experiment=parity-bf16 max_new_tokens=16 $(PEERS_BATCHED)
+	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED) experiment.batch=$(PEERS_BATCHES)
 	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
 
