@@ -28,7 +28,7 @@ from runner import register_configs, typed_config
 from serving.defaults import serving_settings
 from serving.listen import running
 from serving.server import create_app, describe_engine
-from serving.worker import EngineWorker, Metrics
+from serving.worker import Metrics, make_worker
 
 register_configs()
 
@@ -53,7 +53,11 @@ def main(cfg: DictConfig) -> None:
         with engine.reading_every(read_every):
             _, warmup_s = timed(device, lambda: engine.generate(ids, min(run.max_new_tokens, run.context - len(ids))))
     served = describe_engine(opened, run.model.name, load_s, warmup_s, read_every)
-    worker = EngineWorker(engine, Metrics(), read_every)
+    try:
+        worker = make_worker(engine, Metrics(), read_every, run.serve.max_batch)
+    except ConfigError as exc:
+        opened.close()
+        sys.exit(f"engine {cfg.engine.name} cannot serve here: {exc}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM raises KeyboardInterrupt, as Ctrl-C does
     with running(create_app(served, worker, opened, run.serve), run.serve.host, run.serve.port) as url:
         print(f"decodebench serving {run.engine.name} / {run.model.name} at {url}/v1 (chat page: {url}/); "

@@ -147,18 +147,21 @@ class ServeConfig:
 
     ``max_body_bytes``: the largest request body read (more: a 413); a whole 131,328-token context sent
     as token ids is about 1 MB of JSON. ``max_queue``: requests (one per prompt) waiting for the engine
-    beside the one it decodes (more: a 429 with Retry-After).
+    beside those it decodes (more: a 429 with Retry-After). ``max_batch``: requests decoded together (continuous
+    batching: a request joins at the next step and leaves at its end; an engine that batches, the ring); 1: one at
+    a time.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
     max_queue: int = 64
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port={self.port} must be 0 (a free port) to 65535")
-        at_least("serve.", self, 1, "max_body_bytes", "max_queue")
+        at_least("serve.", self, 1, "max_body_bytes", "max_queue", "max_batch")
 
 
 @dataclass

@@ -151,7 +151,12 @@ class Record:
 
 
 def config_hash(config: dict[str, Any]) -> str:
+    """The cell's settings as a hash: every key but where it runs and writes (``NOT_MEASURED``); of the server's
+    settings only ``serve.max_batch`` changes what is measured, and is hashed where it is not 1."""
     measured = {k: v for k, v in config.items() if k not in NOT_MEASURED}
+    max_batch = (config.get("serve") or {}).get("max_batch", 1)
+    if max_batch != 1:
+        measured["serve.max_batch"] = max_batch
     return hashlib.sha256(json.dumps(measured, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

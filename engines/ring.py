@@ -356,43 +356,66 @@ class RingEngine(SteppingEngine):
                               torch.zeros_like(position[:1]))  # fmt: skip
         return greedy(logits), logits
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """Each prompt read alone (the one-sequence programs, into the one-sequence ring), its cache copied into its
-        row of a ring of ``len(prompts)`` rows (kept for the next call of that size), then one step program for every
-        row at once, each at its own position. Tokens stay on the device until the last step. Phase timers as
-        ``generate``'s: ``read_s`` from the call's start to the last first token ready, ``decode_s`` from there to
-        every token on the host."""
-        rows, device = len(prompts), self.ctx.device.torch_device
-        single = self.ring
+    def open_rows(self, rows: int) -> None:
+        """A ring of ``rows`` sequences (kept while its size is asked again), every row free: ``admit`` reads a
+        prompt into a row, ``step_rows`` steps every row at once, ``release`` frees one (the server's continuous
+        batching, and ``generate_batch``)."""
+        device = self.ctx.device.torch_device
         if self.batch_ring is None or self.batch_ring.batch != rows:
-            self.batch_ring = RingCache(self.model.config, self.ctx.context, single.piece, self.ctx.dtype, device, rows)
+            self.batch_ring = RingCache(self.model.config, self.ctx.context, self.ring.piece, self.ctx.dtype, device,
+                                        rows)  # fmt: skip
+        with self.running():  # made as the steps make them (inference tensors), so a step never sees another kind
+            self.row_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            self.row_position = torch.zeros(rows, dtype=torch.long, device=device)
+        self.row_at: list[int | None] = [None] * rows  # each busy row's next position on the host; None: free
+
+    def admit(self, row: int, prompt_ids: list[int]) -> torch.Tensor:
+        """Reads ``prompt_ids`` alone (the one-sequence programs, into the one-sequence ring), copies its cache into
+        ``row``, and returns its first token [1, 1] on the device; the row then steps with the others."""
         with self.running():
-            self.ctx.device.sync()
-            start = time.perf_counter()
-            firsts = []
-            for row, ids in enumerate(prompts):
-                self.reset()
-                token, _ = self.prefill(ids)
-                self.batch_ring.take_row(row, single)
-                firsts.append(token)
-            token = torch.cat(firsts)
-            self.ctx.device.sync()
-            first = time.perf_counter()
-            at = [len(ids) for ids in prompts]  # each row's position, on the host (for the slots a step reads)
-            position = torch.tensor(at, device=device)
-            made = [token]
-            self.ring = self.batch_ring
-            try:
-                for _ in range(max_new_tokens - 1):
-                    self.before_step(max(at))
-                    token, _ = self.compiled_step(token, position)
-                    made.append(token)
-                    position, at = position + 1, [a + 1 for a in at]
-                tokens = torch.cat(made, dim=1).tolist()
-            finally:
-                self.ring = single
-            self.ctx.device.sync()
-            end = time.perf_counter()
+            self.reset()
+            token, _ = self.prefill(prompt_ids)
+            self.batch_ring.take_row(row, self.ring)
+            self.row_token[row] = token[0]
+            self.row_position[row] = len(prompt_ids)
+        self.row_at[row] = len(prompt_ids)
+        return token
+
+    def release(self, row: int) -> None:
+        """Frees ``row``: it keeps stepping in place (its own slots only, its position held) until admitted again."""
+        self.row_at[row] = None
+
+    def step_rows(self) -> torch.Tensor:
+        """One step of every row at its own position: each row's next token [rows, 1] on the device; busy rows
+        advance, free ones hold."""
+        busy = [at for at in self.row_at if at is not None]
+        single, self.ring = self.ring, self.batch_ring
+        try:
+            with self.running():
+                self.before_step(max(busy, default=0))
+                self.row_token, _ = self.compiled_step(self.row_token, self.row_position)
+                moved = torch.tensor([at is not None for at in self.row_at], device=self.row_position.device)
+                self.row_position = self.row_position + moved
+        finally:
+            self.ring = single
+        self.row_at = [None if at is None else at + 1 for at in self.row_at]
+        return self.row_token
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """A row each (``open_rows``, ``admit``), then one step program for every row at once, each at its own
+        position (``step_rows``). Tokens stay on the device until the last step. Phase timers as ``generate``'s:
+        ``read_s`` from the call's start to the last first token ready, ``decode_s`` from there to every token on
+        the host."""
+        self.open_rows(len(prompts))
+        self.ctx.device.sync()
+        start = time.perf_counter()
+        made = [torch.cat([self.admit(row, ids) for row, ids in enumerate(prompts)])]
+        self.ctx.device.sync()
+        first = time.perf_counter()
+        made += [self.step_rows() for _ in range(max_new_tokens - 1)]
+        tokens = torch.cat(made, dim=1).tolist()
+        self.ctx.device.sync()
+        end = time.perf_counter()
         return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
 
     def cache_bytes(self) -> int | None:

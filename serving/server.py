@@ -258,7 +258,7 @@ def create_app(
                                code="invalid_value")  # fmt: skip
             jobs.append(Job(ids, budget, kind, loop, rule, body.top_k, score_prompt, stream=body.stream))
         waiting = worker.jobs.qsize()
-        after = waiting + len(jobs) - (0 if worker.busy else 1)  # an idle engine takes the first job at once
+        after = waiting + len(jobs) - worker.free_rows()  # a free engine (or row of a batch) takes a job at once
         if after > settings.max_queue:
             raise APIError(429, f"{waiting} requests wait for the engine and this one would make {after} wait: "
                            f"serve.max_queue={settings.max_queue}; retry later", code="queue_full",

@@ -1,4 +1,5 @@
-"""One thread owns the engine: requests queue to it and it decodes them one at a time.
+"""One thread owns the engine: requests queue to it and it decodes them one at a time, or, with
+``serve.max_batch`` above 1 and an engine that batches, several together (``BatchWorker``: continuous batching).
 
 The HTTP side (``serving.server``) never calls the engine. It submits a ``Job`` and reads the
 job's events (token batches, then the ``Finished`` record) from an asyncio queue that this worker
@@ -34,6 +35,7 @@ from uuid import uuid4
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from decodebench.config import ConfigError
 from engines.base import Engine, Generation
 from serving.text import Scores, StopRule, TextStream
 
@@ -63,6 +65,8 @@ class Metrics:
                                         buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
         self.queue_seconds = Histogram("decodebench_queue_seconds", "Seconds a request waited for the engine",
                                        buckets=SECONDS_BUCKETS, registry=r)  # fmt: skip
+        self.batch_rows = Gauge("decodebench_batch_rows", "Requests decoding together in the engine's step now",
+                                registry=r)  # fmt: skip
 
 
 @dataclass
@@ -259,3 +263,160 @@ class EngineWorker:
     def idle(self) -> bool:
         """Nothing decoding and nothing queued."""
         return not self.busy and self.jobs.empty()
+
+    def free_rows(self) -> int:
+        """Jobs the engine would take at once (1 when idle: one at a time)."""
+        return 0 if self.busy else 1
+
+
+@dataclass
+class Row:
+    """A job decoding in a row of the batch: its timers so far, the tokens sent, the engine's own count."""
+
+    job: Job
+    started: float  # perf_counter when a row took the job
+    read_s: float  # its prompt read, to its first token on the host
+    first: float  # perf_counter at its first token
+    ends: Callable[[int], bool]
+    sent: list[int] = field(default_factory=list)
+    made: int = 0
+    finish: str | None = None
+
+
+class BatchWorker(EngineWorker):
+    """Continuous batching over an engine that ``batches``: up to ``rows`` jobs decode together, one step making a
+    token for each. A queued job joins at the next step: its prompt is read alone into a free row (between steps: the
+    other rows wait for that read), its first token sent at once; each step's tokens are read to the host and each
+    row's end checked there (its stop rule, its budget, its client gone), a finished row freed for the next job.
+    One client's cancel ends its row only. A job that asks for log-probabilities needs its call's logits: it waits
+    until the rows are empty and decodes alone (``EngineWorker.decode``).
+
+    Timers per job: ``queue_s`` from submit to a row taking it; ``read_s`` its prompt read; ``decode_s`` from its
+    first token to its last on the host, other jobs' prompt reads in between included (what its client waited)."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, rows: int, keep: int = 256) -> None:
+        super().__init__(engine, metrics, 1, keep)
+        self.rows: list[Row | None] = [None] * rows
+        self.peak_rows = 0  # the most rows busy at once so far
+        engine.open_rows(rows)
+
+    def free_rows(self) -> int:
+        return self.rows.count(None)
+
+    def serve_until(self, done: Callable[[], bool], poll_s: float = 0.05) -> None:
+        """Admits queued jobs into free rows and steps the busy ones until ``done()``; on the engine's thread."""
+        self.owner = threading.current_thread().name
+        held: Job | None = None  # a job decoded alone once the rows are empty
+        while not done():
+            if held is not None and not any(self.rows):
+                self.alone(held)
+                held = None
+            while held is None and None in self.rows:
+                try:
+                    job = self.jobs.get(timeout=poll_s) if not any(self.rows) else self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self.metrics.queue_depth.dec()
+                if job.logprobs is not None:
+                    held = job
+                else:
+                    self.admit(job)
+            if any(self.rows):
+                self.step()
+            self.busy = any(self.rows)
+            self.metrics.batch_rows.set(len(self.rows) - self.free_rows())
+
+    def alone(self, job: Job) -> None:
+        self.busy = True
+        try:
+            record = self.decode(job)
+        finally:
+            self.busy = False
+        self.account(record)
+        job.send(record)
+
+    def admit(self, job: Job) -> None:
+        """The job into a free row: its prompt read, its first token handed over."""
+        index, started = self.rows.index(None), time.perf_counter()
+        if job.cancel.is_set():  # a client that left while queued costs no prompt read
+            self.close(Row(job, started, 0.0, started, self.ending(job), finish="cancelled"), index)
+            return
+        try:
+            first = int(self.engine.admit(index, job.prompt_ids).item())
+        except Exception as exc:
+            self.close(Row(job, started, 0.0, started, self.ending(job), finish="error"), index, str(exc))
+            return
+        now = time.perf_counter()
+        self.rows[index] = row = Row(job, started, now - started, now, self.ending(job))
+        self.peak_rows = max(self.peak_rows, len(self.rows) - self.free_rows())
+        self.take(index, row, first)
+
+    def step(self) -> None:
+        """One step of every row; each busy row's token to its job."""
+        try:
+            tokens = self.engine.step_rows().view(-1).tolist()
+        except Exception as exc:  # every row's client gets the reason; the server keeps serving
+            for index, row in enumerate(self.rows):
+                if row is not None:
+                    row.finish = "error"
+                    self.close(row, index, f"{type(exc).__name__}: {exc}")
+            return
+        for index, row in enumerate(self.rows):
+            if row is not None:
+                self.take(index, row, tokens[index])
+
+    def take(self, index: int, row: Row, token: int) -> None:
+        """A row's next token: sent unless its client left; the row closed when the token ends the reply or the
+        budget is spent."""
+        row.made += 1
+        job = row.job
+        if job.cancel.is_set():
+            row.finish = "cancelled"
+        else:
+            row.sent.append(token)
+            if job.stream:
+                job.send([token])
+            if row.ends(token):
+                row.finish = "stop"
+            elif len(row.sent) >= job.max_tokens:
+                row.finish = "length"
+        if row.finish is not None:
+            self.close(row, index)
+
+    def close(self, row: Row, index: int, error: str | None = None) -> None:
+        """The row's record to its job and the metrics; the row freed."""
+        job, now = row.job, time.perf_counter()
+        if self.rows[index] is row:
+            self.rows[index] = None
+            self.engine.release(index)
+        if not job.stream and row.sent:
+            job.send(row.sent)
+        record = Finished(
+            id=job.id,
+            endpoint=job.endpoint,
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=len(row.sent),
+            engine_tokens=row.made,
+            finish=row.finish or "error",
+            read_s=row.read_s if row.made else None,
+            decode_s=now - row.first if row.made else None,
+            queue_s=row.started - job.submitted,
+            started=row.started,
+            ended=now,
+            thread=threading.current_thread().name,
+            read_every=1,
+            error=error,
+        )
+        self.account(record)
+        job.send(record)
+
+
+def make_worker(engine: Engine, metrics: Metrics, read_every: int, max_batch: int) -> EngineWorker:
+    """The server's worker: one job at a time (``max_batch`` 1), or up to ``max_batch`` decoding together for an
+    engine that batches (``serve.max_batch``; refused by name for one that does not)."""
+    if max_batch <= 1:
+        return EngineWorker(engine, metrics, read_every)
+    if not engine.batches:
+        raise ConfigError(f"serve.max_batch={max_batch}: engine {engine.name} decodes one sequence at a time "
+                          "(serve.max_batch=1); the ring batches")  # fmt: skip
+    return BatchWorker(engine, metrics, max_batch)

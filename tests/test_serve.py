@@ -26,7 +26,7 @@ from serving import browser
 from serving.defaults import serving_settings
 from serving.listen import running
 from serving.server import create_app, describe_engine
-from serving.worker import EngineWorker, Metrics
+from serving.worker import Metrics, make_worker
 from tests.conftest import REPO, make_cfg, opened, served_line, spawn_serve, stop
 
 MODEL = "tiny"
@@ -34,7 +34,8 @@ START_S = 240  # a server's load and warm-up on this machine's shared cores
 
 
 class Paced:
-    """The engine with a pause after each streamed batch, so a test can act while it decodes."""
+    """The engine with a pause after each streamed batch (or each step of a batch), so a test can act while it
+    decodes."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.pause_s = engine, 0.0
@@ -49,6 +50,11 @@ class Paced:
 
         return self.engine.generate(ids, n, on_tokens=paced if on_tokens else None, **kwargs)
 
+    def step_rows(self) -> Any:
+        """A batch's step (the server's continuous batching), after the pause."""
+        time.sleep(self.pause_s)
+        return self.engine.step_rows()
+
 
 def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine:
     """The engine opened through the one factory and loaded, reading tokens every ``read_every``."""
@@ -58,9 +64,10 @@ def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine
 
 
 @contextmanager
-def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, Any]]:
-    """An engine (read every token) built, warmed and served on its own thread; the app on another; both stopped
-    whatever the caller raised. Yields ``url``, ``worker``, ``paced`` (the pacer), ``opened`` and ``served``."""
+def serving_engine(cache_dir, engine: str, *extra: str, max_batch: int = 1) -> Iterator[dict[str, Any]]:
+    """An engine (read every token) built, warmed and served on its own thread (``max_batch`` requests decoding
+    together); the app on another; both stopped whatever the caller raised. Yields ``url``, ``worker``, ``paced``
+    (the pacer), ``opened`` and ``served``."""
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
@@ -71,7 +78,7 @@ def serving_engine(cache_dir, engine: str, *extra: str) -> Iterator[dict[str, An
             opened=built,
             paced=paced,
             served=describe_engine(built, MODEL, 0.0, 0.0, 1),
-            worker=EngineWorker(paced, Metrics(), read_every=1),
+            worker=make_worker(paced, Metrics(), 1, max_batch),
         )
         ready.set()
         state["worker"].serve_until(stop.is_set)

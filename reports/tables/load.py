@@ -6,11 +6,11 @@ from typing import Any
 
 import pandas as pd
 
-LOAD_COLUMNS = ["file", "engine", "weights", "model", "synthetic", "device", "level", "mode", "value", "requests",
-                "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90",
-                "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean",
-                "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput", "good_requests",
-                "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
+LOAD_COLUMNS = ["file", "engine", "weights", "max_batch", "model", "synthetic", "device", "level", "mode", "value",
+                "requests", "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50",
+                "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99",
+                "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput",
+                "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
 
 
 def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -29,6 +29,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     "file": file,
                     "engine": data["config"]["engine"]["name"],
                     "weights": _weights(data["config"]["engine"]),
+                    "max_batch": int((data["config"].get("serve") or {}).get("max_batch", 1)),
                     "model": data["config"]["model"]["name"],
                     "synthetic": bool(data["model"].get("synthetic")),
                     "device": data["environment"].get("device_kind"),
