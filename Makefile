@@ -135,7 +135,8 @@ reproduce: setup
 # each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
 # then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the ring decoding PEERS_BATCHES sequences together
 # (experiment.batch at N=32, 3 pairs; each prompt read at about its own length, last_piece=bucketed, with its own
-# parity check: every call reads B prompts, padded to 256 tokens each they took 4 s apiece), then the Rust article's
+# parity check: every call reads B prompts, padded to 256 tokens each they took 4 s apiece), the int4 ring served
+# with continuous batching (serve.max_batch=4) under the same load, then the Rust article's
 # rows as it ran them (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token
 # call (the prompt read as one padded 256-token piece) varied by more than the 15 tokens' decode took, and a pair
 # broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an
@@ -156,6 +157,7 @@ peers-sweep: setup
 	done
 	$(PEERS_RUN) experiment=parity-bf16 max_new_tokens=16 $(PEERS_BATCHED)
 	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED) experiment.batch=$(PEERS_BATCHES)
+	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=ring engine.weights=int4 serve.max_batch=4
 	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
 
