@@ -163,13 +163,17 @@ class EngineWorker:
             except queue.Empty:
                 continue
             self.metrics.queue_depth.dec()
-            self.busy = True
-            try:
-                record = self.decode(job)
-            finally:
-                self.busy = False
-            self.account(record)
-            job.send(record)
+            self.alone(job)
+
+    def alone(self, job: Job) -> None:
+        """One job decoded on its own (``decode``), its record to the metrics and to its client."""
+        self.busy = True
+        try:
+            record = self.decode(job)
+        finally:
+            self.busy = False
+        self.account(record)
+        job.send(record)
 
     def decode(self, job: Job) -> Finished:
         """The job through ``generate`` with the streaming hook; a failure becomes ``finish="error"``."""
@@ -325,15 +329,6 @@ class BatchWorker(EngineWorker):
                 self.step()
             self.busy = any(self.rows)
             self.metrics.batch_rows.set(len(self.rows) - self.free_rows())
-
-    def alone(self, job: Job) -> None:
-        self.busy = True
-        try:
-            record = self.decode(job)
-        finally:
-            self.busy = False
-        self.account(record)
-        job.send(record)
 
     def admit(self, job: Job) -> None:
         """The job into a free row: its prompt read, its first token handed over."""
