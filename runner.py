@@ -320,7 +320,7 @@ def summarise(folder: Path) -> str:
     with its reason."""
     counts: dict[str, int] = {}
     lines = []
-    for path in sorted(folder.rglob("*.json")):
+    for path in evidence.evidence_files(folder):
         try:
             record = evidence.read(path)
         except (OSError, ValueError) as exc:

@@ -202,6 +202,13 @@ def finished_ok(path: Path) -> bool:
         return False
 
 
+def evidence_files(folder: Path) -> list[Path]:
+    """Every ``*.json`` below ``folder`` in name order but the tools' own files a cell keeps beside its evidence
+    (``KEPT_BESIDE``: AIPerf's exports)."""
+    return [p for p in sorted(Path(folder).rglob("*.json"))
+            if not any(part.endswith(KEPT_BESIDE) for part in p.relative_to(folder).parts[:-1])]  # fmt: skip
+
+
 def cell_files(sweep_dir: Path, cell: str) -> list[Path]:
     """Every evidence file of one cell in a sweep folder: ``<sweep>/<cell>.json`` (one machine) and
     ``<sweep>/<host>/<cell>.json`` (a folder per host, ``host=auto``)."""

@@ -15,6 +15,7 @@ import pytest
 from reports import labels, plots, render, summary
 from reports.tables import cells
 from reports.tables.load import LOAD_COLUMNS
+from runner import summarise
 from tests.test_like_for_like import decode_cell, parity
 from tests.test_report import PUBLISHED, QUIET, cell_record, write
 
@@ -191,3 +192,4 @@ def test_the_files_a_load_cell_keeps_beside_its_evidence_are_not_read_as_evidenc
     (exports / "profile_export_aiperf.json").write_text('{"records": []}')
     ev = cells.load(tmp_path, tmp_path)
     assert len(ev.cells) == 2 and not ev.warnings
+    assert summarise(tmp_path / "s") == f"sweep {tmp_path / 's'}: 2 ok"  # the sweep's own summary as well

@@ -68,9 +68,7 @@ def load(folder: Path, root: Path) -> Evidence:
     different files for the same cell of a sweep (two hosts ran it) are all kept and named in ``warnings``."""
     schemas = {kind: evidence.load_schema(kind) for kind in (None, evidence.BOOT)}
     rows, boot, records, warnings, seen = [], [], {}, [], set()
-    for path in sorted(Path(folder).rglob("*.json")):
-        if any(part.endswith(evidence.KEPT_BESIDE) for part in path.relative_to(folder).parts[:-1]):
-            continue  # a tool's own files kept beside a cell's evidence (AIPerf's exports), not evidence
+    for path in evidence.evidence_files(Path(folder)):
         rel = _display(path, root, Path(folder))
         try:
             data = path.read_bytes()
