@@ -34,11 +34,16 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def cannot_write(folder: Path) -> str | None:
-    """Why no file can be made in ``folder`` (made with its parents first), or None when one can: a file is created
-    and removed, so a read-only disk, missing permission or a path through a file all say so here."""
+    """Why no file can be made in ``folder``, or None when one can: a file is created and removed in it, or, where
+    it does not exist yet, in its nearest existing parent (nothing is left behind), so a read-only disk, missing
+    permission or a path through a file all say so here."""
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a folder")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
         return f"{folder} cannot be written ({exc.strerror or exc})"
