@@ -217,13 +217,15 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     int4; a peer's own format, its evidence's ``engine.linears``, else ``engine.quant``); ``tables``: the
     checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
-    measurement's earlier name ``new_tokens`` the same way; ``memory_peak``: a peer's is its server's processes'
+    measurement's earlier name ``new_tokens`` the same way; ``device_name``: on a CPU the CPU's model (torch and
+    JAX label the same CPU device each its own way); ``memory_peak``: a peer's is its server's processes'
     (``PEER_PEAK``), the cell's own process holds none of its weights; ``method``: the cell's method key
     (``reports.method.of_record``). ``replica`` (the A/A copy) is 0 where the
     config has none; ``checks`` (``outputs.checks``) and ``contention`` (``environment.contention``) are
     None in evidence written before the experiments recorded them."""
     r = evidence.Record.from_json(data)
     cfg, env, hw = r.config, r.environment, r.hardware or {}
+    device = env.get("device_kind") or cfg["device"]["kind"]
     peak = r.memory_peak()
     peer_peak = (r.engine.get("memory") or {}).get("peak_rss_bytes_sum") if r.engine.get("peer") else None
     parity = r.outputs.get("prompt") if cfg["experiment"]["name"] == "parity" else None
@@ -241,8 +243,8 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "model": cfg["model"]["name"] if r.model.get("kind") != "none" else "none",
         "checkpoint": r.model.get("key") or r.model.get("hub_id") or r.model.get("config_sha256_16") or "",
         "synthetic": bool(r.model.get("synthetic")),
-        "device": env.get("device_kind") or cfg["device"]["kind"],
-        "device_name": env.get("device_name") or "",
+        "device": device,
+        "device_name": (env.get("cpu_model") if device == "cpu" else env.get("device_name")) or "",
         "context": cfg["context"],
         "dtype": cfg["dtype"],
         "read_every": cfg.get("read_every", 0),
