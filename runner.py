@@ -36,6 +36,7 @@ from experiments import register_configs as register_experiments
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
 
+SERVING_EXPERIMENTS = ("serve", "load")  # the experiments that put the engine behind the server (serve.max_batch)
 EXPECTED = (ConfigError, DeviceUnavailable, CheckpointError, MethodError)
 
 
@@ -271,6 +272,10 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
     the machine, the engine opened through the factory and closed whatever happens, the contention while it ran."""
     run = typed_config(cfg)
     check_way(run)
+    if run.serve.max_batch != 1 and run.experiment.name not in SERVING_EXPERIMENTS:
+        raise ConfigError(f"serve.max_batch={run.serve.max_batch} has no effect with experiment={run.experiment.name}: "
+                          f"it sets the server of {' and '.join(SERVING_EXPERIMENTS)} (experiment.batch batches "
+                          "decode)")
     experiment = EXPERIMENTS.get(run.experiment.name)
     if experiment is None:  # only reachable by overriding experiment.name
         raise ConfigError(f"unknown experiment {run.experiment.name!r}; valid: {', '.join(sorted(EXPERIMENTS))}")

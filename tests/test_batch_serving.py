@@ -102,3 +102,10 @@ def test_a_servers_batch_is_a_measured_setting_and_its_other_settings_are_not():
     base = {"engine": {"name": "ring"}, "experiment": {"name": "load"}, "serve": {"port": 8000, "max_batch": 1}}
     assert config_hash(base) == config_hash({**base, "serve": {"port": 9000, "max_batch": 1}})
     assert config_hash(base) != config_hash({**base, "serve": {"port": 8000, "max_batch": 4}})
+
+
+def test_a_servers_batch_on_an_experiment_that_serves_nothing_is_refused_by_name(cell_cfg, tiny):
+    from runner import run_cell
+
+    record = run_cell(cell_cfg("engine=ring", "experiment=decode", "serve.max_batch=4"))
+    assert record["status"] == "failed" and "serve.max_batch=4 has no effect with experiment=decode" in record["reason"]
