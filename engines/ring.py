@@ -367,6 +367,7 @@ class RingEngine(SteppingEngine):
         with self.running():  # made as the steps make them (inference tensors), so a step never sees another kind
             self.row_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
             self.row_position = torch.zeros(rows, dtype=torch.long, device=device)
+            self.row_busy = torch.zeros(rows, dtype=torch.long, device=device)  # 1 where a row advances each step
         self.row_at: list[int | None] = [None] * rows  # each busy row's next position on the host; None: free
 
     def admit(self, row: int, prompt_ids: list[int]) -> torch.Tensor:
@@ -378,12 +379,15 @@ class RingEngine(SteppingEngine):
             self.batch_ring.take_row(row, self.ring)
             self.row_token[row] = token[0]
             self.row_position[row] = len(prompt_ids)
+            self.row_busy[row] = 1
         self.row_at[row] = len(prompt_ids)
         return token
 
     def release(self, row: int) -> None:
         """Frees ``row``: it keeps stepping in place (its own slots only, its position held) until admitted again."""
         self.row_at[row] = None
+        with self.running():
+            self.row_busy[row] = 0
 
     def step_rows(self) -> torch.Tensor:
         """One step of every row at its own position: each row's next token [rows, 1] on the device; busy rows
@@ -394,8 +398,7 @@ class RingEngine(SteppingEngine):
             with self.running():
                 self.before_step(max(busy, default=0))
                 self.row_token, _ = self.compiled_step(self.row_token, self.row_position)
-                moved = torch.tensor([at is not None for at in self.row_at], device=self.row_position.device)
-                self.row_position = self.row_position + moved
+                self.row_position = self.row_position + self.row_busy
         finally:
             self.ring = single
         self.row_at = [None if at is None else at + 1 for at in self.row_at]
