@@ -85,7 +85,14 @@ PEER_STAMPS := $(foreach stack,$(PEERS),.venv-$(stack)/.setup-stamp)
 peers: $(PEER_STAMPS) $(STAMP)
 	@$(BIN)/python engines/llamacpp_build.py
 
-setup: $(STAMP) $(RUST_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) peers
+# The project's int4 product for CPUs with AVX-512 BF16 (engines/int4_cpu.py), built by torch's C++ extension loader
+# into build/ once per source and torch version (about 15 s on two cores); a CPU without it uses aten's kernel.
+INT4_STAMP := $(VENV)/.int4-stamp
+$(INT4_STAMP): $(STAMP) engines/csrc/int4_rows.cpp engines/int4_cpu.py
+	@$(BIN)/python -c "from engines.int4_cpu import main; main()"
+	@touch $(INT4_STAMP)
+
+setup: $(STAMP) $(RUST_STAMP) $(INT4_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) peers
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 
@@ -133,10 +140,11 @@ reproduce: setup
 
 # The peers beside the in-process ways, on one model and machine, into one sweep folder (hydra/launcher=isolated:
 # each cell in its own process, one at a time): every way decodes at N=64, then each setting's bf16 parity at N=16,
-# then load at concurrency 1, 2 and 4 (AIPerf, N=16), then the ring decoding PEERS_BATCHES sequences together
-# (experiment.batch at N=32, 3 pairs; each prompt read at about its own length, last_piece=bucketed, with its own
-# parity check: every call reads B prompts, padded to 256 tokens each they took 4 s apiece), the int4 ring served
-# with continuous batching (serve.max_batch=4) under the same load, then the Rust article's
+# then load at concurrency 1, 2 and 4 (AIPerf, N=16, on a core of its own: experiment.generator_cpus=auto), then the
+# ring decoding PEERS_BATCHES sequences together (experiment.batch at N=32, 3 pairs; each prompt read at about its own
+# length, last_piece=bucketed, with its own parity check: every call reads B prompts, padded to 256 tokens each they
+# took 4 s apiece) and llama.cpp's server the same (PEERS_SLOTS slots, B requests at once), the int4 ring served
+# with continuous batching (serve.max_batch=4) and llama.cpp with 4 slots under the same load, then the Rust article's
 # rows as it ran them (vLLM's one request of 100 tokens, the rig's five served requests). At N=16 the ring's 1-token
 # call (the prompt read as one padded 256-token piece) varied by more than the 15 tokens' decode took, and a pair
 # broke T_N > T_1. PEERS_MODEL, PEERS_SWEEP; RESUME=1 skips the cells of the sweep already ok (an
@@ -150,14 +158,18 @@ PEERS_STEPS := "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max
 PEERS_ENGINES := "engine=generate,compiled,rust,jax" "engine=ring engine.weights=dense,int4" \
   "engine=llamacpp engine.quant=bf16,q8_0,q4_0" "engine=vllm"
 PEERS_BATCHES ?= 1,2,4,8
+PEERS_SLOTS ?= 8
 PEERS_BATCHED := engine=ring engine.weights=dense,int4 engine.last_piece=bucketed
+PEERS_BATCHED_PEER := engine=llamacpp engine.quant=bf16,q4_0 engine.slots=$(PEERS_SLOTS)
 peers-sweep: setup
 	@for step in $(PEERS_STEPS); do \
 	  for engines in $(PEERS_ENGINES); do $(PEERS_RUN) $$step $$engines || exit 1; done; \
 	done
 	$(PEERS_RUN) experiment=parity-bf16 max_new_tokens=16 $(PEERS_BATCHED)
 	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED) experiment.batch=$(PEERS_BATCHES)
+	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED_PEER) experiment.batch=$(PEERS_BATCHES)
 	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=ring engine.weights=int4 serve.max_batch=4
+	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=llamacpp engine.quant=q4_0 engine.slots=4
 	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
 

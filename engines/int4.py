@@ -8,7 +8,9 @@ The checkpoint's W4A16 levels and scales (one per ``group_size`` inputs, as its 
 says) are used as stored (no re-quantization, no rounding), repacked once at load into the layout the
 device's kernel wants:
 
-* ``cpu``: ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``;
+* ``cpu``: the project's own ``decodebench_int4.int4_rows`` (``engines.int4_cpu``: bf16 activations on a CPU with
+  AVX-512 BF16, any group of a multiple of 8 inputs, the stored scales as they are), else
+  ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``;
 * ``cuda``: tinygemm's ``aten._weight_int4pack_mm`` over ``aten._convert_weight_to_int4pack`` (bf16);
 * ``tpu``: the checkpoint's packed words, unpacked inside the compiled step (whether XLA fuses the
   unpack into the matmul is what a TPU run measures).
@@ -31,6 +33,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from torch import nn
 
 from decodebench.checkpoint import PackedTable
+from engines import int4_cpu
 from engines.base import EngineLimit
 
 
@@ -73,7 +76,7 @@ class Int4Embedding(nn.Module):
         return weights * torch.tensor(self.embed_scale, dtype=self.dtype, device=ids.device)
 
 
-KERNELS = {
+KERNELS = {  # each device's kernel by the operator's name as it is dispatched (the cpu's where int4_rows cannot run)
     "cpu": "aten._weight_int4pack_mm_for_cpu",
     "cuda": "aten._weight_int4pack_mm (tinygemm)",
     "tpu": "packed words unpacked in the compiled step",
@@ -87,6 +90,19 @@ def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
     if device_kind == "cuda" and dtype != torch.bfloat16:
         return f"engine.weights=int4 on cuda uses tinygemm, which computes in bfloat16; this run's dtype is {dtype}"
     return None
+
+
+def chosen(device_kind: str, dtype: torch.dtype, group: int) -> str:
+    """The kernel an ``Int4Linear`` computes with: ``int4_rows`` on a CPU that runs it for this dtype and group,
+    else the device's ``KERNELS`` entry."""
+    if device_kind == "cpu" and int4_cpu.unsupported(dtype, group) is None:
+        return int4_cpu.OP
+    return KERNELS[device_kind]
+
+
+def kernels_of(model: nn.Module) -> str:
+    """The kernels ``model``'s ``Int4Linear`` modules compute with, by name, comma-separated."""
+    return ", ".join(sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)}))
 
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes (inputs per scale) the cpu and cuda kernels take
@@ -111,21 +127,31 @@ def scale_parts(scale: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
 class Int4Linear(nn.Module):
     """``y = x @ w.T`` with ``w`` held 4-bit: [out, in] levels and one scale per ``group_size`` inputs.
 
-    ``tpu`` keeps the scales as stored and unpacks in float32; ``cpu`` and ``cuda`` hold them as
-    ``scale_parts`` in the run's dtype ([parts, in/group_size, out, 2] scales and zeros), call the
-    kernel once per part and sum the parts' outputs in float32.
+    ``tpu`` keeps the scales as stored and unpacks in float32; ``int4_rows`` (a ``cpu`` that runs it) reads them
+    as stored; the aten kernels (another ``cpu``, ``cuda``) hold them as ``scale_parts`` in the run's dtype
+    ([parts, in/group_size, out, 2] scales and zeros), are called once per part and the parts' outputs summed in
+    float32. ``kernel``: the operator that computes it, by its dispatched name (``KERNELS`` or ``int4_cpu.OP``).
     """
 
-    def __init__(self, weight: PackedTable, dtype: torch.dtype, device: torch.device, kind: str | None = None) -> None:
+    def __init__(self, weight: PackedTable, dtype: torch.dtype, device: torch.device, kind: str | None = None,
+                 kernel: str | None = None) -> None:  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group = weight.group_size
-        self.kind = kind or device.type  # which kernel (a KERNELS key); tests run the tpu one on a CPU
+        self.kind = kind or device.type  # which device's kernel (a KERNELS key); tests run the tpu one on a CPU
+        self.kernel = kernel or chosen(self.kind, dtype, self.group)
         if self.kind == "tpu":
             self.register_buffer("words", weight.packed.to(device))
             self.register_buffer("scale", weight.scale.to(device))
             self.register_buffer("shifts", torch.arange(0, 32, 4, dtype=torch.int32, device=device))
             self.dtype = dtype
+            return
+        if self.kernel == int4_cpu.OP:
+            if reason := int4_cpu.unsupported(dtype, self.group):
+                raise EngineLimit(f"{int4_cpu.OP} cannot compute this weight here: {reason}")
+            words, scales = int4_cpu.pack(unpack_from_int32(weight.packed, 4, torch.Size(weight.shape)), weight.scale)
+            self.register_buffer("words", words.to(device))
+            self.register_buffer("scales", scales.to(device))
             return
         if self.group not in KERNEL_GROUPS:
             *most, last = KERNEL_GROUPS
@@ -139,11 +165,11 @@ class Int4Linear(nn.Module):
         ]
         if self.kind == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-            self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+            self.mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         else:
             nibbles = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), 8)
-            self.kernel = torch.ops.aten._weight_int4pack_mm
+            self.mm = torch.ops.aten._weight_int4pack_mm
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales_and_zeros", torch.stack(parts).contiguous().to(device))
 
@@ -153,8 +179,10 @@ class Int4Linear(nn.Module):
             levels = ((self.words.unsqueeze(-1) >> self.shifts) & 15).to(torch.float32) - 8
             grouped = levels.view(self.out_features, -1, self.group) * self.scale.to(torch.float32).unsqueeze(-1)
             y = F.linear(rows, grouped.view(self.out_features, self.in_features).to(self.dtype))
+        elif self.kernel == int4_cpu.OP:
+            y = int4_cpu.rows(rows, self.words, self.scales, self.group, self.out_features)
         else:
-            parts = [self.kernel(rows, self.packed, self.group, part) for part in self.scales_and_zeros]
+            parts = [self.mm(rows, self.packed, self.group, part) for part in self.scales_and_zeros]
             y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(rows.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -1,5 +1,6 @@
 """``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, and ``torch.mv``: what
-``engine.one_row=mv`` calls on one row) against int4, timed by pytest-benchmark.
+``engine.one_row=mv`` calls on one row) against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows``
+on a CPU with AVX-512 BF16; and ``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark.
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
@@ -32,6 +33,7 @@ def e2b_linear_shapes() -> list[tuple[int, int]]:
 
 SHAPES = e2b_linear_shapes()
 KERNELS = {"dense": "F.linear", "dense-mv": "torch.mv"}
+COLD_BYTES = 512 << 20  # a call's weight copies together hold at least this much (1024 at most): more than any cache
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +42,43 @@ def device():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("weights", ["dense", "dense-mv", "int4"])
+@pytest.mark.parametrize("weights", ["dense", "dense-mv", "int4", "int4-aten"])
 def test_linear(benchmark, device, shape, weights):
     reason = int4.unsupported(device.kind, torch.bfloat16)
-    if weights == "int4" and reason:
+    if weights.startswith("int4") and reason:
         pytest.skip(reason)
+    if weights == "int4-aten" and device.kind != "cpu":
+        pytest.skip("aten's CPU int4 kernel is the cpu's alternative only")
     packed, dense = packed_weight(*shape)
     x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device.torch_device)
     w = dense.to(torch.bfloat16).to(device.torch_device)
-    layer = int4.Int4Linear(packed, torch.bfloat16, device.torch_device) if weights == "int4" else None
+    kernel = int4.KERNELS["cpu"] if weights == "int4-aten" else None
+    if weights.startswith("int4"):
+        layers = [int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)]
+        held = sum(t.nbytes for t in layers[0].buffers())
+    else:
+        layers, held = [], w.nbytes
+    # copies enough to leave the caches behind: each call reads another, as a decode step reads each weight once
+    copies = max(1, min(1024, -(-COLD_BYTES // held)))
+    if layers:
+        layers += [int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)
+                   for _ in range(copies - 1)]  # fmt: skip
+    weights_held = [w] + [w.clone() for _ in range(copies - 1)] if not layers else []
+    turn = iter(range(1 << 62))
 
     def call() -> torch.Tensor:
-        if layer is not None:
-            y = layer(x)
+        k = next(turn) % copies
+        if layers:
+            y = layers[k](x)
+        elif weights == "dense-mv":
+            y = torch.mv(weights_held[k], x.view(-1)).view(1, -1)
         else:
-            y = torch.mv(w, x.view(-1)).view(1, -1) if weights == "dense-mv" else F.linear(x, w)
+            y = F.linear(x, weights_held[k])
         device.sync()
         return y
 
-    held = sum(t.nbytes for t in layer.buffers()) if layer is not None else w.nbytes
-    benchmark.extra_info.update(device=device.name, kernel=int4.KERNELS.get(device.kind) if layer else KERNELS[weights],
-                                bytes=held, threads=torch.get_num_threads())  # fmt: skip
+    benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights],
+                                bytes=held, copies=copies, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench.checkpoint import PackedTable, open_checkpoint, text_state_dict
-from engines import int4
+from engines import int4, int4_cpu
 from engines.base import EngineLimit
 from runner import run_cell
 from tests.conftest import opened
@@ -32,29 +32,45 @@ def packed_weight(rows: int, cols: int, group: int = 32) -> tuple[PackedTable, t
     return PackedTable(pack_to_int32(levels, 4), scale, (rows, cols), group), dense
 
 
-@pytest.mark.parametrize(("kind", "group"), [("cpu", 32), ("cpu", 64), ("cpu", 256), ("tpu", 32), ("tpu", 48)])
+ATEN, ROWS = int4.KERNELS["cpu"], int4_cpu.OP
+
+
+def runs_here(kernel: str | None, dtype: torch.dtype = torch.bfloat16, group: int = 32) -> None:
+    """Skips a test of ``int4_rows`` where this CPU or dtype cannot run it, saying why."""
+    reason = int4_cpu.unsupported(dtype, group) if kernel == ROWS else None
+    if reason:
+        pytest.skip(f"{ROWS}: {reason}")
+
+
+@pytest.mark.parametrize(("kind", "kernel", "group"), [("cpu", ATEN, 32), ("cpu", ATEN, 64), ("cpu", ATEN, 256),
+                                                       ("cpu", ROWS, 32), ("cpu", ROWS, 48), ("cpu", ROWS, 256),
+                                                       ("tpu", None, 32), ("tpu", None, 48)])  # fmt: skip
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_int4_linear_equals_the_dense_matmul_on_the_dequantized_weight(kind, group, dtype, tolerance):
+def test_int4_linear_equals_the_dense_matmul_on_the_dequantized_weight(kind, kernel, group, dtype, tolerance):
+    runs_here(kernel, dtype, group)
     weight, dense = packed_weight(96, 768, group)
     x = torch.randn(3, 5, 768)
-    layer = int4.Int4Linear(weight, dtype, torch.device("cpu"), kind=kind)
+    layer = int4.Int4Linear(weight, dtype, torch.device("cpu"), kind=kind, kernel=kernel)
     got = layer(x.to(dtype)).float()
     expected = x.to(dtype).float() @ dense.t()
     assert got.shape == (3, 5, 96)
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-def test_a_group_size_the_kernel_does_not_take_is_refused_by_name():
+def test_a_group_size_no_cpu_kernel_takes_is_refused_by_name():
+    weight, _ = packed_weight(96, 768, 12)  # not a multiple of 8 (int4_rows), nor 32, 64, 128 or 256 (aten)
+    with pytest.raises(EngineLimit, match=r"group_size=12.*32, 64, 128 or 256"):
+        int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kind="cpu")
     weight, _ = packed_weight(96, 768, 48)
     with pytest.raises(EngineLimit, match=r"group_size=48.*32, 64, 128 or 256"):
-        int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kind="cpu")
+        int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kind="cpu", kernel=ATEN)
 
 
 def test_scales_the_run_dtype_cannot_hold_as_a_sum_are_refused_by_name():
     weight, _ = packed_weight(96, 768)
     weight.scale[0, 0] = 2.0**-40  # below float16's smallest subnormal (2**-24): no sum of float16 values
     with pytest.raises(EngineLimit, match=r"torch.bfloat16 scales.*torch.float16"):
-        int4.Int4Linear(weight, torch.float16, torch.device("cpu"), kind="cpu")
+        int4.Int4Linear(weight, torch.float16, torch.device("cpu"), kind="cpu", kernel=ATEN)
 
 
 def level_one_probe(levels: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +84,11 @@ def level_one_probe(levels: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return rows, x
 
 
-def test_float16_scales_round_trip_through_the_loader_and_the_int4_modules(tiny):
+@pytest.mark.parametrize("kernel", [ATEN, ROWS])
+def test_float16_scales_round_trip_through_the_loader_and_the_int4_modules(tiny, kernel):
     """lm_head and the tables of the -emb4 twin store float16 scales none of which is a bf16 value; the
     loader hands them on as stored, the lookups hold them as stored, and in a bf16 run the CPU kernel
-    computes with them exactly: a difference of two scales that bf16 holds comes out exact, where
+    computes with them exactly (either CPU kernel): a difference of two scales that bf16 holds comes out exact, where
     scales rounded to bf16 first give another number."""
     stored = load_file(tiny.emb4 / "model.safetensors")
     _, packed = text_state_dict(
@@ -93,7 +110,8 @@ def test_float16_scales_round_trip_through_the_loader_and_the_int4_modules(tiny)
     assert len(rows) > 100 and torch.equal(exact.to(torch.bfloat16).double(), exact), "bf16 holds the differences"
     rounded = scale.to(torch.bfloat16).double()
     assert not torch.equal(rounded[rows, 0] - rounded[rows, 1], exact), "the probe must tell rounded scales apart"
-    layer = int4.Int4Linear(head, torch.bfloat16, torch.device("cpu"), kind="cpu")
+    runs_here(kernel)
+    layer = int4.Int4Linear(head, torch.bfloat16, torch.device("cpu"), kind="cpu", kernel=kernel)
     got = layer(x.to(torch.bfloat16))[torch.arange(len(rows)), rows]
     assert torch.equal(got.double(), exact)
 
@@ -124,8 +142,12 @@ def test_every_int4_linear_runs_the_kernel_the_evidence_names(cache_dir, tiny, d
         module.register_forward_hook(lambda m, args, out, name=name: forwards.update([name]))
     with torch.inference_mode(), OpCalls() as ops:
         engine.model(torch.tensor([[2, 40, 41, 42, 43]]))
-    # each linear's forward calls the kernel once per scale part: lm_head's float16 scales take two bf16 parts
-    parts = {name: 2 if name == "lm_head" and dtype == "bfloat16" else 1 for name in linears}
+    # each linear's forward calls the kernel once, aten's once per scale part: lm_head's float16 scales take two
+    # bf16 parts; int4_rows reads them as stored
+    split = described["int4_kernel"] == ATEN and dtype == "bfloat16"
+    assert described["int4_kernel"] == (ROWS if dtype == "bfloat16" and int4_cpu.unsupported(torch.bfloat16, 32) is None
+                                        else ATEN)  # fmt: skip
+    parts = {name: 2 if name == "lm_head" and split else 1 for name in linears}
     assert forwards["lm_head"] == 1 and ops.calls[described["int4_kernel"]] == sum(
         parts[name] * n for name, n in forwards.items()
     )
@@ -141,25 +163,32 @@ def test_int4_engines_write_the_reference_tokens(cell_cfg, tiny, engine):
     assert record["outputs"]["verdict"] == "pass"
 
 
-def int4_bytes_from_shapes(config, dtype: torch.dtype) -> int:
+def int4_bytes_from_shapes(config, dtype: torch.dtype, stored: dict[str, torch.Tensor]) -> int:
     """What ``engine.weights=int4`` holds, in bytes, from the text config's shapes alone (the state dict of
-    a skeleton on the meta device): 4 bits a weight for every linear and vocabulary table; per group of 32
-    weights a table keeps its float16 scale (2 bytes) and a linear gives its kernel a scale and a zero in
-    the run's dtype, lm_head's float16 scales as two such parts in bf16; every other value in the run's dtype."""
+    a skeleton on the meta device) and the dtype of the checkpoint's stored scales: 4 bits a weight for every
+    linear and vocabulary table; per group of 32 weights a table keeps its float16 scale (2 bytes); a linear
+    computed by ``int4_rows`` (bf16 on a CPU that runs it) keeps its stored scales, its outputs padded to whole
+    tiles of 16; one computed by aten's kernel a scale and a zero in the run's dtype, lm_head's float16 scales
+    as two such parts in bf16; every other value in the run's dtype."""
     with torch.device("meta"):
         skeleton = Gemma4ForCausalLM(config)
     size = torch.tensor([], dtype=dtype).element_size()
+    rows_kernel = int4.chosen("cpu", dtype, 32) == ROWS
     total = 0
     for name, value in skeleton.state_dict().items():
         module, n = skeleton.get_submodule(name.rpartition(".")[0]), value.numel()
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and rows_kernel:
+            out, inputs = value.shape
+            scale = stored[name.replace("model.", "model.language_model.", 1) + "_scale"]
+            total += -(-out // 16) * 16 * inputs * (1 / 2 + scale.element_size() / 32)
+        elif isinstance(module, nn.Linear):
             parts = 2 if name == "lm_head.weight" and dtype == torch.bfloat16 else 1
             total += n // 2 + n // 32 * 2 * size * parts
         elif isinstance(module, nn.Embedding):
             total += n // 2 + n // 32 * 2
         else:
             total += n * size
-    return total
+    return int(total)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -169,7 +198,8 @@ def test_int4_holds_four_bits_a_weight_plus_scales(cell_cfg, tiny, dtype):
     record = run_cell(cfg)
     assert record["status"] == "ok", record["reason"]
     held = record["measurements"]["weight_bytes_from_shape"]["value"]
-    expected = int4_bytes_from_shapes(open_checkpoint(tiny.emb4).config, getattr(torch, dtype))
+    stored = load_file(tiny.emb4 / "model.safetensors")
+    expected = int4_bytes_from_shapes(open_checkpoint(tiny.emb4).config, getattr(torch, dtype), stored)
     # beyond the weights the model holds small buffers: rotary tables, the lookups' nibble shifts
     assert expected <= held <= 1.001 * expected
 

@@ -13,6 +13,7 @@ import torch
 
 from decodebench.checkpoint import CheckpointError, load_model, open_checkpoint
 from decodebench.synthetic import SyntheticCheckpoint, ensure_synthetic
+from engines import int4_cpu
 from runner import run_cell
 from tests.conftest import make_cfg
 from tests.test_engines import parity
@@ -59,9 +60,15 @@ def test_a_checkpoint_in_groups_of_64_runs_at_parity(cell_cfg, groups_of_64, eng
 
 
 def test_a_group_size_the_cpu_kernel_does_not_take_is_skipped_with_the_size_named(cell_cfg, cache_dir):
-    record = run_cell(cell_cfg("engine=ring", "engine.weights=int4", *as_paths(synthetic_in_groups(cache_dir, 16))))
+    """Groups of 16: ``int4_rows`` takes them (bf16 on a CPU that runs it), aten's kernel does not (float32)."""
+    paths = as_paths(synthetic_in_groups(cache_dir, 16))
+    record = run_cell(cell_cfg("engine=ring", "engine.weights=int4", "dtype=float32", *paths))
     assert record["status"] == "skipped"
     assert "group_size=16" in record["reason"] and "32, 64, 128 or 256" in record["reason"]
+    record = run_cell(cell_cfg("engine=ring", "engine.weights=int4", "dtype=bfloat16", "max_new_tokens=4", *paths))
+    reason = int4_cpu.unsupported(torch.bfloat16, 16)
+    assert record["status"] == ("skipped" if reason else "ok"), record["reason"]
+    assert record["engine"]["int4_kernel"] == int4_cpu.OP if not reason else "group_size=16" in record["reason"]
 
 
 @pytest.mark.parametrize(

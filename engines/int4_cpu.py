@@ -1,0 +1,81 @@
+"""The project's own int4 product for a CPU with AVX-512 BF16: ``decodebench_int4::int4_rows`` (``csrc/int4_rows.cpp``).
+
+A decode step multiplies one row (or a batch's few) by every weight, so its speed is the rate at which the
+weights are read. ``aten._weight_int4pack_mm_for_cpu`` reads the 4-bit levels of a one-row product at about half
+the machine's read bandwidth (``make bench-int4``, issue 43); this operator reads each packed byte once, front to
+back, and turns levels into bf16 by a table lookup in registers, so that the product keeps up with memory.
+
+``pack`` lays a W4A16 weight out for it once, at load: tiles of 16 outputs, each 8 inputs of a tile in 64 bytes
+(the layout is described in the C++ file), the checkpoint's scales kept in their own dtype, tile by tile. ``rows``
+computes ``x @ w.T`` for bf16 rows; the output is rounded to bf16 once from float32 sums. The operator is built
+from source by torch's C++ extension loader at setup (``main``), into ``build/``, and
+registered in C++ (``TORCH_LIBRARY``): a compiled step calls it as one opaque operator, without Python between.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_rows.cpp"
+BUILD = Path(__file__).parents[1] / "build" / f"int4_cpu-torch{torch.__version__.replace('+', '-')}"
+OP = "decodebench_int4.int4_rows"  # the operator's name as it is dispatched (and as the evidence names it)
+TILE, CHUNK = 16, 8  # outputs per tile, inputs per 64-byte chunk (csrc/int4_rows.cpp)
+
+
+@functools.cache
+def built() -> bool:
+    """Builds (once per source and torch version; a no-op after) and loads the operator; True when this CPU runs it."""
+    from torch.utils import cpp_extension
+
+    BUILD.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="decodebench_int4", sources=[str(SOURCE)], extra_cflags=["-O3"],
+                       build_directory=str(BUILD), is_python_module=False, verbose=False)  # fmt: skip
+
+    @torch.library.register_fake("decodebench_int4::int4_rows")
+    def _(x, words, scales, group, out_features):  # its output's shape, for a compiled step that traces it
+        return x.new_empty(x.shape[0], out_features)
+
+    return bool(torch.ops.decodebench_int4.supported())
+
+
+def unsupported(dtype: torch.dtype, group: int) -> str | None:
+    """Why ``int4_rows`` cannot compute this weight here (another kernel does), or None."""
+    if dtype != torch.bfloat16:
+        return f"it computes bf16 activations, this run's are {dtype}"
+    if group % CHUNK:
+        return f"it takes groups of a multiple of {CHUNK} inputs, this checkpoint's are {group}"
+    if not built():
+        return "this CPU lacks AVX-512 BF16"
+    return None
+
+
+def pack(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``levels`` [out, in] (integers -8..7, any integer dtype) and ``scale`` [out, in / group] as the operator
+    reads them: words [tiles, in / 8, 32] int16 and scales [tiles, in / group, 16] in ``scale``'s dtype, the last
+    tile padded with zero scales."""
+    out, inputs = levels.shape
+    tiles = -(-out // TILE)
+    padded = torch.full((tiles * TILE, inputs), 8, dtype=torch.int32)
+    padded[:out] = levels.to(torch.int32) + 8
+    # [tile, o, chunk, j, p] -> [tile, chunk, o, p, j]: word 2*o+p of a chunk holds input 2*j+p in nibble j
+    nibbles = padded.view(tiles, TILE, inputs // CHUNK, 4, 2).permute(0, 2, 1, 4, 3)
+    words = (nibbles << torch.arange(0, 16, 4, dtype=torch.int32)).sum(-1)
+    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+    scales = torch.zeros(tiles * TILE, scale.shape[1], dtype=scale.dtype)
+    scales[:out] = scale
+    return words.reshape(tiles, inputs // CHUNK, 2 * TILE).contiguous(), scales.view(tiles, TILE, -1).transpose(
+        1, 2
+    ).contiguous()
+
+
+def rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
+    """``x`` [rows, in] bf16 times the packed weight: [rows, out_features] bf16."""
+    return torch.ops.decodebench_int4.int4_rows(x, words, scales, group, out_features)
+
+
+def main() -> None:
+    """``make setup``: builds it once, so that no test or cell compiles it."""
+    print(f"setup: {OP}: built into {BUILD}; this CPU {'runs it' if built() else 'lacks AVX-512 BF16'}")
