@@ -34,7 +34,10 @@ another machine's ``serve.py``) is loaded where it is served: AIPerf drives that
 own figures come only from a decodebench server (another names its metrics its own way: none, said so).
 
 AIPerf runs on the same machine as the engine (its processes are the cell's children: their CPU is the
-cell's own, not contention); its exports are kept beside the evidence (``<evidence file>.aiperf/<level>/``).
+cell's own, not contention), on CPUs of its own unless told otherwise (``experiment.generator_cpus``,
+``decodebench.placement``: by default the last core, the server, in-process or a peer's, and the bare figures on
+the rest; recorded as ``outputs.placement``); its exports are kept beside the evidence
+(``<evidence file>.aiperf/<level>/``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import httpx
 
 from decodebench.config import ConfigError, ExperimentConfig, at_least, positive
 from decodebench.evidence import AIPERF_EXPORTS, Record, samples, scalar
+from decodebench.placement import AUTO, SHARED, Placement, applied, parse_cpus, place
 from experiments import recall_prompts
 from experiments.cell import Cell, MethodError
 from experiments.common import Result
@@ -83,7 +87,8 @@ class LoadExperimentConfig(ExperimentConfig):
     ``concurrency``: closed-loop levels; ``rate``: open-loop Poisson levels (requests a second); one AIPerf
     run each, in this order. ``prompts``: ``synthetic``, ``recall`` or a JSONL path; ``prompt_tokens``: the
     synthetic prompts' length, or the recall prompts' largest (64 unless given; refused with a JSONL file, whose
-    lines are sent as they are); ``seed``: AIPerf's and the recall prompts'.
+    lines are sent as they are); ``seed``: AIPerf's and the recall prompts'. ``generator_cpus``: where AIPerf
+    runs, the server on the other CPUs (``auto``, ``shared`` or a CPU list: ``decodebench.placement``).
     """
 
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -94,9 +99,12 @@ class LoadExperimentConfig(ExperimentConfig):
     prompt_tokens: int | None = None  # synthetic and recall prompts: DEFAULT_PROMPT_TOKENS unless given
     seed: int = 0
     slo: SloConfig = field(default_factory=SloConfig)
+    generator_cpus: str = AUTO
 
     def __post_init__(self) -> None:
         at_least("experiment.", self, 1, "requests", "warmup_requests")
+        if self.generator_cpus not in (AUTO, SHARED):
+            parse_cpus(str(self.generator_cpus))
         if self.prompt_tokens is not None and self.prompt_tokens < 1:
             raise ConfigError(f"experiment.prompt_tokens={self.prompt_tokens} must be at least 1")
         positive("experiment.slo.", self.slo, "ttft_s", "tpot_s")
@@ -233,15 +241,17 @@ def warm_up(url: str, model: str, texts: list[str] | None, prompt_ids: list[int]
             client.chat.completions.create(model=model, messages=turn, max_tokens=n, extra_body=exact)
 
 
-def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiperf.Workload, kept: Path) -> dict:
-    """One AIPerf run at ``level``, the server's ``/metrics`` read just before and just after it; its record,
-    held to the method's contracts."""
+def run_level(
+    url: str, model: str, cell: Cell, level: aiperf.Level, work: aiperf.Workload, kept: Path, placement: Placement
+) -> dict:
+    """One AIPerf run at ``level`` on the generator's CPUs, the server's ``/metrics`` read just before and just after
+    it; its record, held to the method's contracts."""
     before = metrics(url)
     with tempfile.TemporaryDirectory(prefix=f"aiperf-{level.name}-") as tmp:
         out = Path(tmp)
         command = aiperf.level_command(url, model, cell.opened.checkpoint.path.resolve(), level, work, out)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, cwd=tmp,
-                              env=aiperf.environment(out))  # fmt: skip
+        done = subprocess.run(placement.command(command), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S,
+                              cwd=tmp, env=aiperf.environment(out))  # fmt: skip
         if done.returncode != 0:
             log = out / "logs" / "aiperf.log"
             text = (done.stdout + done.stderr + (log.read_text() if log.exists() else "")).strip()
@@ -263,11 +273,18 @@ def run_level(url: str, model: str, cell: Cell, level: aiperf.Level, work: aiper
 
 
 def run(cell: Cell, result: Result | None = None) -> Result:
-    cfg, exp = cell.cfg, cell.cfg.experiment
-    result = result or Result()
+    """The levels with the generator and the server placed (``experiment.generator_cpus``); this process's CPUs
+    and threads as they were afterwards."""
     reason = aiperf.missing()
     if reason:
         raise MethodError(reason)
+    placement = place(cell.cfg.experiment.generator_cpus)
+    with applied(placement):
+        return run_placed(cell, placement, result or Result())
+
+
+def run_placed(cell: Cell, placement: Placement, result: Result) -> Result:
+    cfg, exp = cell.cfg, cell.cfg.experiment
     texts = text_prompts(cell, exp.requests + exp.warmup_requests)
     (ids,) = check_fit(cell, [cfg.prompt])
     cell.load()
@@ -288,7 +305,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
                                    exp.slo.tpot_s, exp.seed)  # fmt: skip
             synthetic = (ids * (tokens // len(ids) + 2))[: tokens + 1]  # read as long as AIPerf's prompt is
             warm_up(url, model, texts, synthetic, cfg.max_new_tokens, exp.warmup_requests)
-            return [run_level(url, model, cell, level, work, kept) for level in exp.levels()]
+            return [run_level(url, model, cell, level, work, kept, placement) for level in exp.levels()]
 
     endpoint = cell.engine.endpoint()
     if endpoint is not None:  # a server already serves the engine: AIPerf loads it there
@@ -319,7 +336,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         slo={"ttft_s": exp.slo.ttft_s, "tpot_s": exp.slo.tpot_s},
         exports=kept_name,
         engine_info=info,
-        tool="AIPerf (locks/aiperf.txt, its own environment .venv-aiperf), on this machine beside the engine",
+        placement=placement.record(),
+        tool=f"AIPerf (locks/aiperf.txt, its own environment .venv-aiperf), on this machine; {placement.how}",
     )
     result.timers.update(
         ttft_s="AIPerf: request sent to the first token's chunk (client)",

@@ -157,6 +157,7 @@ def _serving(load: pd.DataFrame) -> str:
         c1, c4 = (levels.loc[level] for level in LEVELS)
         name = cell.engine.iloc[0] + (f"·{cell.weights.iloc[0]}" if isinstance(cell.weights.iloc[0], str) else "")
         name += f" (max_batch {cell.max_batch.iloc[0]})" if cell.max_batch.iloc[0] > 1 else ""
+        name += f" [generator {cell.generator.iloc[0]}]"
         parts.append((c4.output_tok_s, f"{name} {c1.output_tok_s:.2f} / {c4.output_tok_s:.2f} tok/s, TTFT p50 "
                                        f"{c1.ttft_p50:.2f} / {c4.ttft_p50:.2f} s"))  # fmt: skip
     if not parts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,7 +14,7 @@ from decodebench.config import ConfigError
 from decodebench.device import resolve_device
 from experiments.cell import Cell, MethodError
 from experiments.load import LoadExperimentConfig, held_to_method, text_prompts
-from reports.tables.load import load_table
+from reports.tables.load import generator, load_table
 from runner import run_cell, typed_config
 from serving import aiperf
 from tests.conftest import make_cfg, opened
@@ -49,6 +50,11 @@ def test_ttft_at_concurrency_4_exceeds_ttft_at_1_by_the_queueing_the_server_repo
     assert kept.name == evidence.name.removesuffix(".json") + ".aiperf"
     assert all((kept / level / aiperf.CLIENT_EXPORT).is_file() for level in ("c1", "c4"))
     assert not list(scratch.iterdir()), "AIPerf's temporary files go with the level's own folder"
+    placement = record["outputs"]["placement"]  # experiment.generator_cpus=auto
+    assert set(placement["server_cpus"]) | set(placement["generator_cpus"] or ()) == os.sched_getaffinity(0)
+    if len(os.sched_getaffinity(0)) > 1:  # AIPerf on a core of its own, the server on the rest
+        assert placement["generator_cpus"] and not set(placement["generator_cpus"]) & set(placement["server_cpus"])
+        assert set(table.generator) == {generator(placement)} != {"shared"}
 
 
 def figures(requests: int = 8, tokens: tuple[int, int] = (8, 8), counted: int = 8) -> dict:

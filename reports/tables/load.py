@@ -6,10 +6,10 @@ from typing import Any
 
 import pandas as pd
 
-LOAD_COLUMNS = ["file", "engine", "weights", "max_batch", "model", "synthetic", "device", "level", "mode", "value",
-                "requests", "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s", "ttft_p50",
-                "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99",
-                "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput",
+LOAD_COLUMNS = ["file", "engine", "weights", "max_batch", "generator", "model", "synthetic", "device", "level", "mode",
+                "value", "requests", "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s",
+                "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50",
+                "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput",
                 "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
 
 
@@ -30,6 +30,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     "engine": data["config"]["engine"]["name"],
                     "weights": _weights(data["config"]["engine"]),
                     "max_batch": int((data["config"].get("serve") or {}).get("max_batch", 1)),
+                    "generator": generator(out.get("placement")),
                     "model": data["config"]["model"]["name"],
                     "synthetic": bool(data["model"].get("synthetic")),
                     "device": data["environment"].get("device_kind"),
@@ -60,6 +61,15 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows, columns=LOAD_COLUMNS)
+
+
+def generator(placement: dict[str, Any] | None) -> str:
+    """Where the load generator ran: ``CPU 1 (server 0)`` on CPUs of its own, ``shared`` beside the server (every
+    load cell before ``experiment.generator_cpus``)."""
+    if not placement or not placement["generator_cpus"]:
+        return "shared"
+    cpus = ",".join(map(str, placement["generator_cpus"]))
+    return f"CPU {cpus} (server {','.join(map(str, placement['server_cpus']))})"
 
 
 def _weights(engine: dict[str, Any]) -> str | None:
