@@ -72,6 +72,7 @@ class Engine(ABC):
     returns_logits: ClassVar[bool] = True  # False: generate(return_logits=True) cannot be answered (no parity)
     top_logprobs_k: ClassVar[int] = 0  # > 0: top_logprobs returns this many log-probabilities a position
     batches: ClassVar[bool] = False  # True: generate_batch decodes several sequences in each step
+    joins: ClassVar[bool] = False  # True: rows join and leave a running batch (open_rows, admit, step_rows, release)
     model: torch.nn.Module | None = None  # the torch model, for engines that run one
 
     def __init__(self, ctx: EngineContext, checkpoint: Checkpoint, tokenizer: PreTrainedTokenizerBase) -> None:

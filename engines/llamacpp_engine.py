@@ -9,7 +9,8 @@ makes from the run's W4A16 twin.
   so the evidence names the quantization. Made on first use under ``<cache_dir>/gguf/<twin digest>-<source digest>/``
   and kept; ``conversion_s`` records the seconds when this cell made them (they count in its load).
 * The server: ``llama-server -m <gguf> -c <context x slots> -t <threads> -np <slots>`` on a loopback port, no web
-  UI: ``engine.slots`` requests decode together (one by default: one request at a time, as every way here).
+  UI: ``engine.slots`` requests decode together (one by default: one request at a time). ``generate_batch`` sends
+  its B prompts at once, one request a slot (B slots at least): the server decodes its busy slots in one batch.
 * Calls: llama.cpp's own ``/completion``: the prompt as ids, ``n_predict`` = N with ``ignore_eos`` (exactly N),
   ``return_tokens`` (the ids back), temperature 0 and ``top_k`` 1 (greedy), ``n_probs`` 5 for parity (ids with their
   log-probabilities); streamed as server-sent events when a hook listens. The server's own timer of the last
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,7 @@ class LlamaCppEngine(PeerEngine):
     peer = "llama.cpp"
     config = LlamaCppEngineConfig
     stacks = {"cpu": "llamacpp"}
+    batches = True  # generate_batch: up to engine.slots requests at once
     KERNEL_LINES = re.compile(r"(?:CPU_REPACK|system_info|load_tensors: +\S+ model buffer).*$", re.MULTILINE)
 
     @classmethod
@@ -151,6 +154,19 @@ class LlamaCppEngine(PeerEngine):
         if on_tokens is None:
             return Generation(self.watched(lambda: self._post(body))["tokens"])
         return Generation(self.watched(lambda: self._stream(body, on_tokens)))
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """The prompts sent at once, each to a slot; each ``Generation`` with the server's own timer of its request
+        (``prompt_ms`` as ``read_s``, ``predicted_ms`` as ``decode_s``)."""
+        slots = self.ctx.engine_cfg.slots
+        if len(prompts) > slots:
+            raise EngineLimit(f"llama-server decodes {len(prompts)} sequences together only with engine.slots="
+                              f"{len(prompts)} or more, this one has engine.slots={slots}")  # fmt: skip
+        bodies = [self._body(ids, max_new_tokens) for ids in prompts]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = self.watched(lambda: list(pool.map(self._post, bodies)))
+        return [Generation(r["tokens"], read_s=r["timings"]["prompt_ms"] / 1e3,
+                           decode_s=r["timings"]["predicted_ms"] / 1e3) for r in replies]  # fmt: skip
 
     def _stream(self, body: dict[str, Any], on_tokens: OnTokens) -> list[int]:
         """The ids of a streamed completion, each event's handed to ``on_tokens``; a false return closes it."""

@@ -241,6 +241,7 @@ class RingEngine(SteppingEngine):
     name = "ring"
     config = RingEngineConfig
     batches = True
+    joins = True  # the server's continuous batching (serving.worker.BatchWorker)
 
     @classmethod
     def kept_4bit(cls, engine_cfg: Any) -> tuple[str, ...]:

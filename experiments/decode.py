@@ -213,7 +213,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     if getattr(cfg.experiment, "batch", 1) > 1:
         if not cell.opened.cls.batches:
             raise EngineLimit(f"engine {cell.opened.name} decodes one sequence at a time: experiment.batch="
-                              f"{cfg.experiment.batch} needs an engine that batches (ring)")  # fmt: skip
+                              f"{cfg.experiment.batch} needs an engine that batches (ring, llamacpp)")  # fmt: skip
         return run_batch(cell, result or Result())
     n = cfg.max_new_tokens
     result = result or Result()

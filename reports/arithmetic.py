@@ -221,8 +221,13 @@ def _scaled(interval: Interval, f: Any) -> Interval:
     return Interval(f(interval.value), low, high, interval.n)
 
 
+def _at_batch(row: pd.Series) -> str:
+    batch = int(row.get("batch", 1) or 1)
+    return "one request at a time" if batch == 1 else f"{batch} sequences a step (aggregate rate)"
+
+
 def costs(decode: pd.DataFrame) -> list[Entry]:
-    """USD per million output tokens at one request at a time, from the row's own price per hour (every
+    """USD per million output tokens at the row's batch, from the row's own price per hour (every
     file of the row must record the same price); the interval is the price over the rate's bounds."""
     entries = []
     for _, row in decode.iterrows():
@@ -238,7 +243,7 @@ def costs(decode: pd.DataFrame) -> list[Entry]:
         entries.append(
             Entry(
                 key,
-                f"USD per million output tokens, {row.engine}, one request at a time",
+                f"USD per million output tokens, {row.engine}, {_at_batch(row)}",
                 "price / (rate * 3600) * 1e6",
                 [Input("price", price, "USD/h", f"conf/hardware/{row.hardware}.yaml (recorded in the evidence)"), rate],
                 interval.value,

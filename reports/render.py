@@ -31,6 +31,7 @@ from reports import (
     verdicts,
 )
 from reports import published as published_data
+from reports.tables.batch import batch_table, served_at_concurrency
 from reports.tables.bench import bench_table
 from reports.tables.boot import boot_runs
 from reports.tables.cells import load as load_evidence
@@ -166,6 +167,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         *like_for_like.recall_views(recall, cells, judged),
     ]
     peers = peer_tables(every_row, ev.records, noise.floors(pairs))
+    served_levels = sorted({int(v) for v in load[load["mode"] == "concurrency"].value}) if not load.empty else []
     screens = summary.screens(derived, cells, judged, peers, load, recall, figures)
     text = env.get_template("REPORT.md.j2").render(
         screens=screens,
@@ -180,6 +182,9 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         decode=derived,
         decode_left_out=left_out(every_row),
         peers=peers,
+        batch=batch_table(derived),
+        served=served_at_concurrency(load, served_levels),
+        served_levels=served_levels,
         verdict_table=verdicts.table(cells, judged),
         aa_pairs=pairs,
         noise_floors=noise.floors(pairs),

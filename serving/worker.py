@@ -1,5 +1,6 @@
 """One thread owns the engine: requests queue to it and it decodes them one at a time, or, with
-``serve.max_batch`` above 1 and an engine that batches, several together (``BatchWorker``: continuous batching).
+``serve.max_batch`` above 1 and an engine whose rows join a running batch (``joins``), several together
+(``BatchWorker``: continuous batching).
 
 The HTTP side (``serving.server``) never calls the engine. It submits a ``Job`` and reads the
 job's events (token batches, then the ``Finished`` record) from an asyncio queue that this worker
@@ -288,7 +289,7 @@ class Row:
 
 
 class BatchWorker(EngineWorker):
-    """Continuous batching over an engine that ``batches``: up to ``rows`` jobs decode together, one step making a
+    """Continuous batching over an engine that ``joins``: up to ``rows`` jobs decode together, one step making a
     token for each. A queued job joins at the next step: its prompt is read alone into a free row (between steps: the
     other rows wait for that read), its first token sent at once; each step's tokens are read to the host and each
     row's end checked there (its stop rule, its budget, its client gone), a finished row freed for the next job.
@@ -408,10 +409,10 @@ class BatchWorker(EngineWorker):
 
 def make_worker(engine: Engine, metrics: Metrics, read_every: int, max_batch: int) -> EngineWorker:
     """The server's worker: one job at a time (``max_batch`` 1), or up to ``max_batch`` decoding together for an
-    engine that batches (``serve.max_batch``; refused by name for one that does not)."""
+    engine whose rows join a running batch (``serve.max_batch``; refused by name for one whose do not)."""
     if max_batch <= 1:
         return EngineWorker(engine, metrics, read_every)
-    if not engine.batches:
-        raise ConfigError(f"serve.max_batch={max_batch}: engine {engine.name} decodes one sequence at a time "
-                          "(serve.max_batch=1); the ring batches")  # fmt: skip
+    if not engine.joins:
+        raise ConfigError(f"serve.max_batch={max_batch}: engine {engine.name} takes no request into a running batch "
+                          "(serve.max_batch=1); the ring does")  # fmt: skip
     return BatchWorker(engine, metrics, max_batch)

@@ -90,9 +90,9 @@ def test_a_client_that_leaves_ends_its_own_row_only(servers):
 
 def test_an_engine_that_cannot_batch_is_refused_by_name():
     class OneAtATime:
-        name, batches = "generate", False
+        name, joins = "generate", False
 
-    with pytest.raises(ConfigError, match=r"serve.max_batch=4: engine generate decodes one sequence at a time"):
+    with pytest.raises(ConfigError, match=r"serve.max_batch=4: engine generate takes no request into a running batch"):
         make_worker(OneAtATime(), Metrics(), 1, 4)
 
 

@@ -133,6 +133,19 @@ def test_a_llamacpp_peer_under_load_decodes_its_slots_together(cell_cfg, tiny):
     assert not any(alive(p["pid"]) for p in record["engine"]["memory"]["processes"])
 
 
+def test_a_llamacpp_peer_decodes_a_batch_of_requests_at_once_within_its_slots(cell_cfg, tiny):
+    """``experiment.batch`` on llama.cpp: B requests at once on a server of B slots or more, each held to the tokens
+    it writes alone; more sequences than slots are refused by name."""
+    record = run_cell(cell_cfg("engine=llamacpp", E2B_LAYOUT, "engine.slots=3", "experiment=decode",
+                               "experiment.batch=3", "max_new_tokens=8", "repeats=1"))  # fmt: skip
+    assert record["status"] == "ok", record["reason"]
+    assert record["measurements"]["batch"]["value"] == 3 and len(record["outputs"]["batch_prompt_tokens"]) == 3
+    assert len(set(record["outputs"]["batch_prompt_tokens"])) > 1, "the prompts differ in length"
+    record = run_cell(cell_cfg("engine=llamacpp", E2B_LAYOUT, "engine.slots=2", "experiment=decode",
+                               "experiment.batch=3", "max_new_tokens=8", "repeats=1"))  # fmt: skip
+    assert record["status"] != "ok" and "engine.slots=3 or more" in record["reason"]
+
+
 def test_vllms_cpu_settings_are_refused_on_an_accelerator():
     """``engine.threads`` and ``engine.kv_cache_gib`` set vLLM's CPU environment variables: on a GPU they would do
     nothing, so they are refused by name there, and left out of a command that sets neither."""
