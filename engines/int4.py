@@ -149,7 +149,10 @@ class Int4Linear(nn.Module):
         if self.kernel == int4_cpu.OP:
             if reason := int4_cpu.unsupported(dtype, self.group):
                 raise EngineLimit(f"{int4_cpu.OP} cannot compute this weight here: {reason}")
-            words, scales = int4_cpu.pack(unpack_from_int32(weight.packed, 4, torch.Size(weight.shape)), weight.scale)
+            inputs = weight.shape[1]
+            words, scales = int4_cpu.pack(
+                lambda a, b: unpack_from_int32(weight.packed[a:b], 4, torch.Size([b - a, inputs])), weight.scale
+            )
             self.register_buffer("words", words.to(device))
             self.register_buffer("scales", scales.to(device))
             return

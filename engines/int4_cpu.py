@@ -52,23 +52,35 @@ def unsupported(dtype: torch.dtype, group: int) -> str | None:
     return None
 
 
+PACK_ROWS = 4096  # outputs packed at a time: what packing holds beside the result stays about 60 MB on E2B's shapes
+
+
 def pack(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``levels`` [out, in] (integers -8..7, any integer dtype) and ``scale`` [out, in / group] as the operator
-    reads them: words [tiles, in / 8, 32] int16 and scales [tiles, in / group, 16] in ``scale``'s dtype, the last
-    tile padded with zero scales."""
-    out, inputs = levels.shape
+    """``levels`` [out, in] (integers -8..7, any integer dtype, or a function of a row range giving them: the
+    checkpoint's words unpacked a part at a time) and ``scale`` [out, in / group] as the operator reads them: words
+    [tiles, in / 8, 32] int16 and scales [tiles, in / group, 16] in ``scale``'s dtype, the last tile padded with
+    zero scales."""
+    out, groups = scale.shape
+    rows_of = (lambda a, b: levels[a:b]) if isinstance(levels, torch.Tensor) else levels
     tiles = -(-out // TILE)
-    padded = torch.full((tiles * TILE, inputs), 8, dtype=torch.int32)
-    padded[:out] = levels.to(torch.int32) + 8
-    # [tile, o, chunk, j, p] -> [tile, chunk, o, p, j]: word 2*o+p of a chunk holds input 2*j+p in nibble j
-    nibbles = padded.view(tiles, TILE, inputs // CHUNK, 4, 2).permute(0, 2, 1, 4, 3)
-    words = (nibbles << torch.arange(0, 16, 4, dtype=torch.int32)).sum(-1)
-    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
-    scales = torch.zeros(tiles * TILE, scale.shape[1], dtype=scale.dtype)
-    scales[:out] = scale
-    return words.reshape(tiles, inputs // CHUNK, 2 * TILE).contiguous(), scales.view(tiles, TILE, -1).transpose(
-        1, 2
-    ).contiguous()
+    words = None
+    for first in range(0, out, PACK_ROWS):
+        part = rows_of(first, min(out, first + PACK_ROWS))
+        if words is None:
+            inputs = part.shape[1]
+            words = torch.empty(tiles, inputs // CHUNK, 2 * TILE, dtype=torch.int16)
+        part_tiles = -(-len(part) // TILE)
+        padded = torch.full((part_tiles * TILE, inputs), 8, dtype=torch.int32)
+        padded[: len(part)] = part.to(torch.int32) + 8
+        # [tile, o, chunk, j, p] -> [tile, chunk, o, p, j]: word 2*o+p of a chunk holds input 2*j+p in nibble j
+        nibbles = padded.view(part_tiles, TILE, inputs // CHUNK, 4, 2).permute(0, 2, 1, 4, 3)
+        word = nibbles[..., 0] | nibbles[..., 1] << 4 | nibbles[..., 2] << 8 | nibbles[..., 3] << 12
+        word = torch.where(word >= 1 << 15, word - (1 << 16), word)  # the 16 bits as an int16 holds them
+        t = first // TILE
+        words[t : t + part_tiles] = word.reshape(part_tiles, -1, 2 * TILE)
+    padded_scales = torch.zeros(tiles * TILE, groups, dtype=scale.dtype)
+    padded_scales[:out] = scale
+    return words, padded_scales.view(tiles, TILE, groups).transpose(1, 2).contiguous()
 
 
 def rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
