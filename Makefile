@@ -168,7 +168,7 @@ peers-sweep: setup
 	$(PEERS_RUN) experiment=parity-bf16 max_new_tokens=16 $(PEERS_BATCHED)
 	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED) experiment.batch=$(PEERS_BATCHES)
 	$(PEERS_RUN) experiment=decode max_new_tokens=32 repeats=3 $(PEERS_BATCHED_PEER) experiment.batch=$(PEERS_BATCHES)
-	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=ring engine.weights=int4 serve.max_batch=4
+	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=ring engine.weights=int4 engine.last_piece=bucketed serve.max_batch=4
 	$(PEERS_RUN) experiment=load max_new_tokens=16 engine=llamacpp engine.quant=q4_0 engine.slots=4
 	$(PEERS_RUN) way=rust/vllm,rust/served
 	$(MAKE) --no-print-directory report
