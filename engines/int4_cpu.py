@@ -4,8 +4,10 @@ A decode step multiplies one row (or a batch's few) by every weight, so its spee
 weights are read. ``aten._weight_int4pack_mm_for_cpu`` read the 4-bit levels of a one-row product at 17.9 GB/s
 against 26.6 for ``torch.mv`` on the bf16 weight on a 2-core Xeon, and needs float16 scales split into two bf16 parts
 (two calls); this operator reads each packed byte once, front to back, the scales as stored, and turns levels into
-bf16 by a table lookup in registers, so that the product keeps up with memory (one row of lm_head on a 2-core AMD
-EPYC: 46 GB/s against aten's 41-43, the machine's streaming read about 50).
+bf16 by a table lookup in registers. On a 2-core AMD EPYC (streaming read about 50 GB/s) one row of lm_head read
+46 GB/s at best against aten's 41-43 (fastest of 20 calls); ``make bench-int4``'s medians over cold copies put the
+two within 20% of each other shape by shape (26-35 GB/s, aten ahead on the long-input shapes): it is not yet the
+read ceiling the issue asks for.
 
 ``pack`` lays a W4A16 weight out for it once, at load: tiles of 16 outputs, each 8 inputs of a tile in 64 bytes
 (the layout is described in the C++ file), the checkpoint's scales kept in their own dtype, tile by tile. ``rows``

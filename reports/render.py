@@ -182,7 +182,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         decode=derived,
         decode_left_out=left_out(every_row),
         peers=peers,
-        batch=batch_table(derived),
+        batch=batch_table(arithmetic.with_derived_columns(every_row, measured)),
         served=served_at_concurrency(load, served_levels),
         served_levels=served_levels,
         verdict_table=verdicts.table(cells, judged),

@@ -129,7 +129,8 @@ def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
     if not cell.decode_values:
         return "no decode_tok_s sample: every warm pair broke the method", None
     bandwidth = cell.bandwidth_gb_s
-    read = token_bytes(model, cell["dtype"], cell.prompt_tokens, cell.max_new_tokens, cell.weights)
+    batch = int(cell.get("batch", 1) or 1)  # a step of B sequences reads the linears once for B tokens
+    read = token_bytes(model, cell["dtype"], cell.prompt_tokens, cell.max_new_tokens, cell.weights, batch)
     if read is None or bandwidth is None or pd.isna(bandwidth):
         return None, "bandwidth ceiling not checked: " + (
             "no bandwidth recorded" if read else "no layer layout recorded"

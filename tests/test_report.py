@@ -427,12 +427,13 @@ def cell_record(
     torch: str = "2.13.0",
     git_sha: str = "a" * 40,
     recall: list | None = None,
+    batch: int | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
     (``replica``, ``fingerprint``, ``checks``, ``contention``); a parity cell passes with ``verdict``."""
     parity = experiment == "parity"
-    experiment_cfg = {"name": experiment}
+    experiment_cfg = {"name": experiment, **({"batch": batch} if batch is not None else {})}
     if parity:
         experiment_cfg.update(all_tokens=dtype == "float32", kl_mean=1e-3, kl_max=1e-2)
     config = {"engine": {"name": engine, **(settings or {})}, "model": {"name": "m", "source": "synthetic"},
@@ -495,6 +496,17 @@ def judged(folder: Path) -> tuple[cells.Evidence, dict[str, verdicts.Verdict], p
 
 def by_engine(every: dict[str, verdicts.Verdict]) -> dict[str, verdicts.Verdict]:
     return {Path(f).stem: v for f, v in every.items()}
+
+
+@pytest.mark.parametrize(("batch", "valid"), [(1, False), (4, True)])
+def test_the_bandwidth_ceiling_of_a_batch_counts_its_linears_once_for_its_tokens(tmp_path, batch, valid):
+    """50.5 tok/s of tiny at 1,620 B a token needs 8.181e-05 GB/s: above a ceiling of 8e-05 at one sequence a step,
+    below it when four sequences share each step's read of the linears."""
+    write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring", bandwidth=8e-5, batch=batch))
+    _, every, _ = judged(tmp_path)
+    decode = by_engine(every)["ring-decode-bfloat16"]
+    assert decode.valid is valid, decode.text()
+    assert valid or "rate above the bandwidth ceiling: 1,620 B/token" in decode.text()
 
 
 def test_each_rule_gives_its_verdict_and_names_its_figure(tmp_path):

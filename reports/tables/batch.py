@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from reports.labels import SEPARATOR
+from reports.labels import SEPARATOR, short_labels
 
 WAY = ["engine", "engine_config", "model", "device", "context", "max_new_tokens", "dtype"]
 BATCH_COLUMNS = ["way", "model", "device", "context", "max_new_tokens", "batch", "decode", "decode_median",
-                 "per_sequence", "x_batch_1", "memory_peak", "roofline_pct_shown", "usd_per_mtok_shown"]  # fmt: skip
+                 "per_sequence", "x_batch_1", "memory_peak", "roofline_pct_shown", "usd_per_mtok_shown",
+                 "verdict"]  # fmt: skip
 
 
 def without_batch(label: str) -> str:
@@ -19,10 +20,11 @@ def without_batch(label: str) -> str:
 
 
 def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
-    """One row per (way, B) of every VALID decode row whose way was measured at more than one batch: the median
-    aggregate rate with its interval (``decode``: every sequence's tokens a second), the per-sequence rate
-    (aggregate / B: each sequence's (N-1)/(T_N - T_1)), ``x_batch_1`` the aggregate over the same way's at B=1
-    (None without one), peak memory, and the roofline and USD/Mtok the arithmetic derived for the row."""
+    """One row per (way, B) of every decode row whose way was measured at more than one batch, VALID or not (its
+    verdict beside it: a peer whose parity fails is still the figure a reader compares with): the median aggregate
+    rate with its interval (``decode``: every sequence's tokens a second), the per-sequence rate (aggregate / B: each
+    sequence's (N-1)/(T_N - T_1)), ``x_batch_1`` the aggregate over the same way's at B=1 (None without one), peak
+    memory, and the roofline and USD/Mtok the arithmetic derived for the row (VALID rows only)."""
     if derived.empty or not (derived.batch > 1).any():
         return pd.DataFrame(columns=BATCH_COLUMNS)
     rows = []
@@ -37,8 +39,15 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
                          "decode_median": r.decode_median, "per_sequence": r.decode_median / r.batch,
                          "x_batch_1": r.decode_median / one.iloc[0] if not one.empty else None,
                          "memory_peak": r.memory_peak, "roofline_pct_shown": r.roofline_pct_shown,
-                         "usd_per_mtok_shown": r.usd_per_mtok_shown})  # fmt: skip
+                         "usd_per_mtok_shown": r.usd_per_mtok_shown,
+                         "verdict": r.verdict if r.verdict == "VALID" else _why(r)})  # fmt: skip
     return pd.DataFrame(rows, columns=BATCH_COLUMNS)
+
+
+def _why(row: pd.Series) -> str:
+    """An INVALID row's verdict with its first reason, cut short (the verdict table has them in full)."""
+    reasons = [v.text() for v in row.left_out] if isinstance(row.left_out, list) else []
+    return (reasons[0] if reasons else str(row.verdict))[:90]
 
 
 def served_at_concurrency(load: pd.DataFrame, levels: list[int]) -> pd.DataFrame:
@@ -49,11 +58,12 @@ def served_at_concurrency(load: pd.DataFrame, levels: list[int]) -> pd.DataFrame
     closed = load[load["mode"] == "concurrency"] if not load.empty else load
     if closed.empty or not levels:
         return pd.DataFrame(columns=columns)
+    firsts = closed.groupby("file", sort=True).head(1).assign(read_every=0, way=None, replica=0, batch=1)
+    labels = dict(zip(firsts.file, short_labels(firsts.reset_index(drop=True)), strict=True))
     rows = []
     for file, cell in closed.groupby("file", sort=True):
         first = cell.iloc[0]
-        way = first.engine + (f"{SEPARATOR}{first.weights}" if isinstance(first.weights, str) else "")
-        way += f" (max_batch {first.max_batch})" if first.max_batch > 1 else ""
+        way = labels[file] + (f" (max_batch {first.max_batch})" if first.max_batch > 1 else "")
         at = cell.set_index("level")
         row = {"way": way, "model": first.model, "generator": first.generator, "file": file}
         for c in levels:

@@ -6,11 +6,13 @@ from typing import Any
 
 import pandas as pd
 
-LOAD_COLUMNS = ["file", "engine", "weights", "max_batch", "generator", "model", "synthetic", "device", "level", "mode",
-                "value", "requests", "errors", "prompt_tokens", "output_tokens", "request_rate", "output_tok_s",
-                "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50",
-                "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s", "engine_over_bare", "goodput",
-                "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
+from reports.tables.cells import engine_settings
+
+LOAD_COLUMNS = ["file", "engine", "engine_config", "weights", "max_batch", "generator", "model", "synthetic", "device",
+                "level", "mode", "value", "requests", "errors", "prompt_tokens", "output_tokens", "request_rate",
+                "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99",
+                "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s",
+                "engine_over_bare", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
 
 
 def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -28,6 +30,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 {
                     "file": file,
                     "engine": data["config"]["engine"]["name"],
+                    "engine_config": engine_settings(data["config"]["engine"]),
                     "weights": _weights(data["config"]["engine"]),
                     "max_batch": int((data["config"].get("serve") or {}).get("max_batch", 1)),
                     "generator": generator(out.get("placement")),

@@ -194,9 +194,11 @@ def _title(where: dict[str, Any]) -> str:
     synthetic = ", synthetic weights" if where["synthetic"] else ""
     prompt = "" if pd.isna(where["prompt_tokens"]) else f", P={int(where['prompt_tokens'])}"
     n = "" if pd.isna(where["max_new_tokens"]) else f", N={int(where['max_new_tokens'])}"
+    batch = int(where.get("batch", 1) or 1)
+    sequences = f", B={batch} sequences a step" if batch > 1 else ""
     return (
-        f"{where['model']} on {where['device']}{hardware}{synthetic}: context {where['context']}{n}{prompt}, "
-        f"env {where['fingerprint']}"
+        f"{where['model']} on {where['device']}{hardware}{synthetic}: context {where['context']}{n}{prompt}"
+        f"{sequences}, env {where['fingerprint']}"
     )
 
 
