@@ -32,7 +32,8 @@ def test_the_servers_at_each_concurrency_are_told_apart_by_their_settings():
     def level(file: str, config: str, c: int, rate: float, max_batch: int = 1) -> dict:
         return {**dict.fromkeys(LOAD_COLUMNS), "file": file, "engine": "ring", "engine_config": config,
                 "weights": "int4", "max_batch": max_batch, "generator": "CPU 1 (server 0)", "model": "m",
-                "level": f"c{c}", "mode": "concurrency", "value": c, "output_tok_s": rate, "ttft_p50": 1.0 / rate}  # fmt: skip
+                "level": f"c{c}", "mode": "concurrency", "value": c, "output_tok_s": rate,
+                "ttft_p50": 1.0 / rate}  # fmt: skip
 
     load = pd.DataFrame([level("a", "last_piece=padded weights=int4", 1, 3.4, 4),
                          level("a", "last_piece=padded weights=int4", 4, 4.5, 4),
