@@ -20,7 +20,9 @@ from source by torch's C++ extension loader at setup (``main``), into ``build/``
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -39,6 +41,9 @@ def built() -> bool:
     from torch.utils import cpp_extension
 
     BUILD.mkdir(parents=True, exist_ok=True)
+    venv_bin = str(Path(sys.executable).parent)  # the ninja the project installs (pyproject), which the loader runs
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
         cpp_extension.load(name="decodebench_int4", sources=[str(SOURCE)], extra_cflags=["-O3"],
                            build_directory=str(BUILD), is_python_module=False, verbose=False)  # fmt: skip
