@@ -1,9 +1,9 @@
 """Experiment ``load``: the cell's engine behind decodebench's server, driven by AIPerf at several load levels.
 
 The serve experiment is the Rust article's one-request-at-a-time method; this one asks what happens when
-requests overlap. The engine decodes one request at a time (batch 1), so under load a request waits in
-the server's queue: its TTFT grows by that wait, which the server's ``/metrics`` reports
-(``decodebench_queue_seconds``) beside the client's figures.
+requests overlap. Served one request at a time (``serve.max_batch=1``), a request waits in the server's queue under
+load: its TTFT grows by that wait, which the server's ``/metrics`` reports (``decodebench_queue_seconds``) beside the
+client's figures; with ``serve.max_batch`` above 1 it joins the running batch instead (``serving.worker``).
 
 Method, per level (``experiment.concurrency``: closed loop, that many requests always in flight;
 ``experiment.rate``: open loop, Poisson arrivals at that many requests a second), one AIPerf run
