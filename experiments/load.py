@@ -346,6 +346,7 @@ def run_placed(cell: Cell, placement: Placement, result: Result) -> Result:
         e2el_s="AIPerf's request_latency: request sent to the last chunk",
         queue_s="server: submit to the engine taking the request (decodebench_queue_seconds)",
         engine_tok_s="(N-1) / the level's mean decode_s, the engine's own timer inside the server",
-        bare_decode_tok_s="(N-1)/(warm_n_s - warm_1_s) on the run's prompt before serving, at the server's read_every",
+        bare_decode_tok_s="(N-1)/(warm_n_s - warm_1_s) on the run's prompt before serving, at the server's read_every, "
+                          "on the server's CPUs and threads (outputs.placement)",
     )
     return result

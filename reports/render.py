@@ -147,7 +147,8 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
     report.parent.mkdir(parents=True, exist_ok=True)
     profile = profile_table(ev.records)
     load = load_table(ev.records)
-    derived = arithmetic.with_derived_columns(decode, measured)
+    every_derived = arithmetic.with_derived_columns(every_row, measured)  # derived figures: VALID rows only
+    derived = every_derived[every_derived.verdict == verdicts.VALID]
     made = [
         plots.decode_rates(derived, report.parent / "decode_tok_s.png"),
         plots.decode_vs_context(decode, report.parent / "decode_vs_context.png"),
@@ -182,7 +183,7 @@ def build(evidence_dir: Path, published_dir: Path, report: Path, arithmetic_out:
         decode=derived,
         decode_left_out=left_out(every_row),
         peers=peers,
-        batch=batch_table(arithmetic.with_derived_columns(every_row, measured)),
+        batch=batch_table(every_derived),
         served=served_at_concurrency(load, served_levels),
         served_levels=served_levels,
         verdict_table=verdicts.table(cells, judged),

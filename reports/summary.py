@@ -23,12 +23,13 @@ import pandas as pd
 
 from reports import method, uncertainty
 from reports.like_for_like import RATE_METRICS, ways_of
+from reports.tables.batch import batch_table, served_at_concurrency
 from reports.tables.peers import PeerTable
 from reports.verdicts import FAILED, INVALID, SKIPPED, Verdict
 
 LONG_CONTEXT = 4096  # tokens: a decode row at this context or above speaks for long context
 MOST_REASONS = 6  # reasons listed per screen; the rest are counted and left to *Verdict per cell*
-LEVELS = ("c1", "c4")  # the load levels the first screen quotes
+LEVELS = (1, 4)  # the load levels (concurrency) the first screen quotes
 
 
 @dataclass(frozen=True)
@@ -112,22 +113,17 @@ def _fastest(rows: pd.DataFrame) -> str:
 
 
 def _batched(rows: pd.DataFrame) -> str | None:
-    """Each way measured at more than one batch: its aggregate rate at each (``experiment.batch``); None when
-    no row here decoded more than one sequence a step."""
-    if not (rows.batch > 1).any():
+    """Each way measured at more than one batch: its aggregate rate at each (the batch table's rows,
+    ``reports.tables.batch``); None when no row here decoded more than one sequence a step."""
+    table = batch_table(rows)
+    if table.empty:
         return None
     parts = []
-    for (_, _, context, n), way in rows.groupby(["engine", "engine_config", "context", "max_new_tokens"]):
-        if not (way.batch > 1).any():
-            continue
-        by_batch = way.sort_values("batch").drop_duplicates("batch", keep="last")
-        rates = ", ".join(f"B={int(r.batch)} {r.decode_median:.2f}" for _, r in by_batch.iterrows())
-        one = by_batch[by_batch.batch == 1]
-        best = by_batch.loc[by_batch.decode_median.astype(float).idxmax()]
-        times = "" if one.empty else f"{best.decode_median / one.decode_median.iloc[0]:.2f}x"
-        gain = f" ({times} B=1 at B={int(best.batch)})" if times else ""
-        label = way.way_label.iloc[0].split("·B=")[0]
-        parts.append(f"**{label}** {rates} tok/s{gain} (context {context}, N={int(n)})")
+    for (way, context, n), scan in table.groupby(["way", "context", "max_new_tokens"], sort=True):
+        rates = ", ".join(f"B={r.batch} {r.decode_median:.2f}" for _, r in scan.iterrows())
+        best = scan.loc[scan.decode_median.astype(float).idxmax()]
+        gain = f" ({best.x_batch_1:.2f}x B=1 at B={best.batch})" if pd.notna(best.x_batch_1) else ""
+        parts.append(f"**{way}** {rates} tok/s{gain} (context {context}, N={int(n)})")
     return f"Batched decode (every sequence's tokens a second): {'; '.join(parts)}. [→ decode]({DECODE})"
 
 
@@ -149,20 +145,13 @@ def _long_context(rows: pd.DataFrame, recall: pd.DataFrame) -> str:
 def _serving(load: pd.DataFrame) -> str:
     if load.empty:
         return f"Serving under load: not measured here (`experiment=load`). [→ load]({LOAD})"
-    parts = []
-    for _, cell in load.groupby("file", sort=True):
-        levels = cell.set_index("level")
-        if not set(LEVELS) <= set(levels.index):
-            continue
-        c1, c4 = (levels.loc[level] for level in LEVELS)
-        name = cell.engine.iloc[0] + (f"·{cell.weights.iloc[0]}" if isinstance(cell.weights.iloc[0], str) else "")
-        name += f" (max_batch {cell.max_batch.iloc[0]})" if cell.max_batch.iloc[0] > 1 else ""
-        name += f" [generator {cell.generator.iloc[0]}]"
-        parts.append((c4.output_tok_s, f"{name} {c1.output_tok_s:.2f} / {c4.output_tok_s:.2f} tok/s, TTFT p50 "
-                                       f"{c1.ttft_p50:.2f} / {c4.ttft_p50:.2f} s"))  # fmt: skip
-    if not parts:
+    served = served_at_concurrency(load, list(LEVELS)).dropna(subset=[f"c{c}" for c in LEVELS])
+    if served.empty:
         return f"Serving under load: no load cell ran both c1 and c4. [→ load]({LOAD})"
-    listed = "; ".join(text for _, text in sorted(parts, key=lambda p: -p[0]))
+    listed = "; ".join(
+        f"{r.way} [generator {r.generator}] {r.c1:.2f} / {r.c4:.2f} tok/s, TTFT p50 {r.ttft_c1:.2f} / {r.ttft_c4:.2f} s"
+        for _, r in served.sort_values("c4", ascending=False, kind="stable").iterrows()
+    )
     return f"Serving under load (output tok/s and TTFT p50 at c1 / c4, best at c4 first): {listed}. [→ load]({LOAD})"
 
 

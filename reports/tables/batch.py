@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from reports.labels import SEPARATOR, short_labels
+from reports.verdicts import VALID
 
 WAY = ["engine", "engine_config", "model", "device", "context", "max_new_tokens", "dtype"]
 BATCH_COLUMNS = ["way", "model", "device", "context", "max_new_tokens", "batch", "decode", "decode_median",
@@ -38,9 +39,10 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
                          "max_new_tokens": r.max_new_tokens, "batch": int(r.batch), "decode": r.decode,
                          "decode_median": r.decode_median, "per_sequence": r.decode_median / r.batch,
                          "x_batch_1": r.decode_median / one.iloc[0] if not one.empty else None,
-                         "memory_peak": r.memory_peak, "roofline_pct_shown": r.roofline_pct_shown,
-                         "usd_per_mtok_shown": r.usd_per_mtok_shown,
-                         "verdict": r.verdict if r.verdict == "VALID" else _why(r)})  # fmt: skip
+                         "memory_peak": r.memory_peak,
+                         "roofline_pct_shown": r.roofline_pct_shown if r.verdict == VALID else "–",
+                         "usd_per_mtok_shown": r.usd_per_mtok_shown if r.verdict == VALID else "–",
+                         "verdict": r.verdict if r.verdict == VALID else _why(r)})  # fmt: skip
     return pd.DataFrame(rows, columns=BATCH_COLUMNS)
 
 
