@@ -85,14 +85,15 @@ PEER_STAMPS := $(foreach stack,$(PEERS),.venv-$(stack)/.setup-stamp)
 peers: $(PEER_STAMPS) $(STAMP)
 	@$(BIN)/python engines/llamacpp_build.py
 
-# The project's int4 product for CPUs with AVX-512 BF16 (engines/int4_cpu.py), built by torch's C++ extension loader
-# into build/ once per source and torch version (about 15 s on two cores); a CPU without it uses aten's kernel.
-INT4_STAMP := $(VENV)/.int4-stamp
-$(INT4_STAMP): $(STAMP) engines/csrc/int4_rows.cpp engines/int4_cpu.py
-	@$(BIN)/python -c "from engines.int4_cpu import main; main()"
-	@touch $(INT4_STAMP)
+# The project's int4 and bf16 products for CPUs with AVX-512 BF16 (engines/cpu_kernels.py), built by torch's C++
+# extension loader
+# into build/ once per source and torch version (about 30 s on two cores); a CPU without it uses aten's kernels.
+KERNELS_STAMP := $(VENV)/.cpu-kernels-stamp
+$(KERNELS_STAMP): $(STAMP) $(wildcard engines/csrc/*) engines/cpu_kernels.py
+	@$(BIN)/python -c "from engines.cpu_kernels import main; main()"
+	@touch $(KERNELS_STAMP)
 
-setup: $(STAMP) $(RUST_STAMP) $(INT4_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) peers
+setup: $(STAMP) $(RUST_STAMP) $(KERNELS_STAMP) $(BROWSER_STAMP) $(LOAD_STAMP) peers
 
 ENGINES ?= generate,static,compiled,table4,ring,rust,jax,fuse
 

@@ -80,10 +80,10 @@ class CompiledEngineConfig(SteppingEngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.remove_wrappers and self.one_row == OneRow.mv:
+        if not self.remove_wrappers and self.one_row in (OneRow.mv, OneRow.rows):
             raise ConfigError(
-                "engine.one_row=mv has no effect with engine.remove_wrappers=false: that is the article's Transformers "
-                "path, whose linears are kept as compressed-tensors wraps them; leave engine.one_row=auto"
+                f"engine.one_row={self.one_row} has no effect with engine.remove_wrappers=false: that is the article's "
+                "Transformers path, whose linears are kept as compressed-tensors wraps them; leave engine.one_row=auto"
             )
         if not self.remove_wrappers and (self.keeps_table_4bit or self.weights == Weights.int4):
             raise ConfigError(

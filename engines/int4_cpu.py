@@ -1,4 +1,5 @@
-"""The project's own int4 product for a CPU with AVX-512 BF16: ``decodebench_int4::int4_rows`` (``csrc/int4_rows.cpp``).
+"""The project's own int4 product for a CPU with AVX-512 BF16: ``decodebench_int4::int4_rows`` (``csrc/int4_rows.cpp``,
+built with ``engines.cpu_kernels``).
 
 A decode step multiplies one row (or a batch's few) by every weight, so its speed is the rate at which the
 weights are read. ``aten._weight_int4pack_mm_for_cpu`` read the 4-bit levels of a one-row product at 17.9 GB/s
@@ -7,55 +8,22 @@ against 26.6 for ``torch.mv`` on the bf16 weight on a 2-core Xeon, and needs flo
 bf16 by a table lookup in registers. On a 2-core AMD EPYC (streaming read about 50 GB/s) one row of lm_head read
 46 GB/s at best against aten's 41-43 (fastest of 20 calls); ``make bench-int4``'s medians over cold copies put the
 two within 20% of each other shape by shape (26-35 GB/s, aten ahead on the long-input shapes): it is not yet the
-read ceiling the issue asks for.
+read ceiling the issue asks for. From four rows on it is bound by the cores' vdpbf16ps, not by memory (about
+0.39 TFLOP/s over two cores of that EPYC, at four rows and at eight alike).
 
 ``pack`` lays a W4A16 weight out for it once, at load: tiles of 16 outputs, each 8 inputs of a tile in 64 bytes
 (the layout is described in the C++ file), the checkpoint's scales kept in their own dtype, tile by tile. ``rows``
-computes ``x @ w.T`` for bf16 rows; the output is rounded to bf16 once from float32 sums. The operator is built
-from source by torch's C++ extension loader at setup (``main``), into ``build/``, and registered in C++
-(``TORCH_LIBRARY``): a compiled step calls it as one opaque operator. Where it cannot be built (no compiler) or run
-(the CPU lacks AVX-512 BF16) the engines use aten's kernel and the evidence names which ran.
+computes ``x @ w.T`` for bf16 rows; the output is rounded to bf16 once from float32 sums.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-import sys
-import warnings
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "int4_rows.cpp"
-BUILD = Path(__file__).parents[1] / "build" / f"int4_cpu-torch{torch.__version__.replace('+', '-')}"
+from engines.cpu_kernels import built
+
 OP = "decodebench_int4.int4_rows"  # the operator's name as it is dispatched (and as the evidence names it)
 TILE, CHUNK = 16, 8  # outputs per tile, inputs per 64-byte chunk (csrc/int4_rows.cpp)
-
-
-@functools.cache
-def built() -> bool:
-    """Builds (once per source and torch version; a no-op after) and loads the operator; True when this CPU runs it,
-    False when it cannot be built here (a warning says why) or this CPU cannot run it."""
-    from torch.utils import cpp_extension
-
-    BUILD.mkdir(parents=True, exist_ok=True)
-    venv_bin = str(Path(sys.executable).parent)  # the ninja the project installs (pyproject), which the loader runs
-    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-    try:
-        cpp_extension.load(name="decodebench_int4", sources=[str(SOURCE)], extra_cflags=["-O3"],
-                           build_directory=str(BUILD), is_python_module=False, verbose=False)  # fmt: skip
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        warnings.warn(f"{OP} could not be built here, aten's int4 kernel runs instead: {exc}", stacklevel=2)
-        return False
-
-    @torch.library.register_fake("decodebench_int4::int4_rows")
-    def _(x, words, scales, group, out_features):  # its output's shape, for a compiled step that traces it
-        return x.new_empty(x.shape[0], out_features)
-
-    return bool(torch.ops.decodebench_int4.supported())
 
 
 def unsupported(dtype: torch.dtype, group: int) -> str | None:
@@ -103,8 +71,3 @@ def pack(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
 def rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
     """``x`` [rows, in] bf16 times the packed weight: [rows, out_features] bf16."""
     return torch.ops.decodebench_int4.int4_rows(x, words, scales, group, out_features)
-
-
-def main() -> None:
-    """``make setup``: builds it once, so that no test or cell compiles it."""
-    print(f"setup: {OP} into {BUILD}: {'built, and this CPU runs it' if built() else unsupported(torch.bfloat16, 32)}")

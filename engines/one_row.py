@@ -10,12 +10,18 @@ against 19.8. A prompt piece (more than one row) keeps ``F.linear``.
 
 * ``linear``: ``F.linear`` for every row count (Transformers' own modules, unchanged);
 * ``mv``: one row through ``torch.mv``;
-* ``auto``: on a CPU, whichever of the two reads the model's own weights faster on this machine (``choose``): each
-  distinct dense weight shape timed both ways (best of ``TIMED_CALLS``), summed over the linears of that shape,
-  once per CPU model and flags, torch version, threads, dtype and shapes, cached in ``<cache_dir>/one_row/`` and
-  recorded in the evidence; ``linear`` elsewhere (a GPU's BLAS and XLA already treat one row as a
-  matrix-vector product). The choice is the machine's: on a 2-core Xeon with AMX ``mv`` read faster, on a
-  2-core AMD EPYC (AVX-512, no AMX) ``F.linear`` did (issue 43).
+* ``rows``: every row count through the project's ``bf16_rows`` (``engines/bf16_cpu.py``; a CPU with AVX-512 BF16,
+  bf16 weights): each dense weight repacked once at load into the layout it streams, the original freed; a table
+  tied to ``lm_head`` then looks its tokens up in the packed weight, so it is still held once. A decode step's few
+  rows read it 1.2-1.9x faster than ``F.linear`` on a 2-core AMD EPYC; a prompt piece of hundreds of rows about half
+  as fast (oneDNN's GEMM reuses each loaded row more than it does);
+* ``auto``: on a CPU, whichever of these reads the model's own weights fastest for one row on this machine
+  (``choose``; ``rows`` where the engine and the CPU take it): each distinct dense weight shape timed every way
+  (best of ``TIMED_CALLS``), summed over the linears of that shape, once per CPU model and flags, torch version,
+  threads, dtype, ways and shapes, cached in ``<cache_dir>/one_row/`` and recorded in the evidence; ``linear``
+  elsewhere (a GPU's BLAS and XLA already treat one row as a matrix-vector product). The choice is the machine's:
+  on a 2-core Xeon with AMX ``mv`` read faster than ``F.linear``, on a 2-core AMD EPYC (AVX-512, no AMX)
+  ``F.linear`` did (issue 43).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from torch import nn
 
 from decodebench.environment import cpu_flags, cpu_model
 from decodebench.files import write_text_atomic
+from engines import bf16_cpu
+from engines.base import EngineLimit
 
 TIMED_CALLS = 5  # each shape's product timed this many times each way, the best kept
 
@@ -45,18 +53,21 @@ class OneRow(StrEnum):
     auto = "auto"
     linear = "linear"
     mv = "mv"
+    rows = "rows"
+
+
+ATEN_WAYS = (OneRow.linear, OneRow.mv)  # what an engine that calls ATen itself can take (the Rust one)
 
 
 @dataclass(frozen=True)
 class Choice:
     """What ``engine.one_row`` resolved to and why: ``how`` is ``set`` (on the command line), ``not a CPU``,
-    ``measured`` or ``cached`` (the file); with ``auto`` on a CPU, each way's milliseconds for one row through
-    every dense linear of the model (the sum of each shape's best call times its count)."""
+    ``measured`` or ``cached`` (the file); with ``auto`` on a CPU, ``ms``: each way timed, milliseconds for one
+    row through every dense linear of the model (the sum of each shape's best call times its count)."""
 
     one_row: OneRow
     how: str
-    linear_ms: float | None = None
-    mv_ms: float | None = None
+    ms: dict[str, float] | None = None
     shapes: int | None = None  # distinct dense weight shapes timed
 
     def record(self) -> dict[str, Any]:
@@ -80,33 +91,56 @@ def best_ms(fn: Any) -> float:
     return 1e3 * min(times)
 
 
-def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cache_dir: str | Path | None) -> Choice:
+def rows_unsupported(weights: list[torch.Tensor]) -> str | None:
+    """Why ``bf16_rows`` cannot compute these weights here, or None."""
+    for w in weights:
+        if w.device.type != "cpu":
+            return f"it runs on a CPU, these weights are on {w.device.type}"
+        if reason := bf16_cpu.unsupported(w.dtype, w.shape[1]):
+            return reason
+    return None
+
+
+def one_row_call(way: OneRow, weight: torch.Tensor) -> Any:
+    """A function that multiplies one random row by ``weight`` the ``way`` says (``rows``: packed first, untimed)."""
+    row = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    if way == OneRow.linear:
+        return lambda: F.linear(row[None], weight)
+    if way == OneRow.mv:
+        return lambda: torch.mv(weight, row)
+    packed = bf16_cpu.pack(weight)
+    return lambda: bf16_cpu.rows(row[None], packed, weight.shape[0])
+
+
+def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cache_dir: str | Path | None,
+           ways: tuple[OneRow, ...] = tuple(OneRow)) -> Choice:  # fmt: skip
     """``engine.one_row`` resolved for ``weights`` (the model's dense linear weights): an explicit choice stands;
-    ``auto`` is ``linear`` off a CPU, and on a CPU the faster way over these weights on this machine, measured once
-    and cached (``cache_dir`` None: measured every time)."""
+    ``auto`` is ``linear`` off a CPU, and on a CPU the fastest of ``ways`` (those the engine takes; ``rows`` only
+    where ``bf16_rows`` runs these weights) over these weights on this machine, measured once and cached
+    (``cache_dir`` None: measured every time)."""
     if requested != OneRow.auto:
         return Choice(requested, "set")
     if device_kind != "cpu" or not weights:
         return Choice(OneRow.linear, "not a CPU" if device_kind != "cpu" else "no dense linear")
+    timed = [w for w in ways if w != OneRow.auto and (w != OneRow.rows or rows_unsupported(weights) is None)]
     counts = Counter((tuple(w.shape), str(w.dtype)) for w in weights)
     key = {"cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "ways": [str(w) for w in timed],
            "shapes": sorted([list(shape), dtype, n] for (shape, dtype), n in counts.items())}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "one_row" / f"{digest}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         saved = json.loads(path.read_text())
-        return Choice(OneRow(saved["one_row"]), f"cached ({path})", saved["linear_ms"], saved["mv_ms"], len(counts))
+        return Choice(OneRow(saved["one_row"]), f"cached ({path})", saved["ms"], len(counts))
     first = {}
     for w in weights:
         first.setdefault((tuple(w.shape), str(w.dtype)), w)
-    linear_ms = mv_ms = 0.0
+    ms = dict.fromkeys(map(str, timed), 0.0)
     with torch.inference_mode():
         for shape, n in counts.items():
-            weight = first[shape]
-            row = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
-            linear_ms += n * best_ms(lambda w=weight, x=row: F.linear(x[None], w))
-            mv_ms += n * best_ms(lambda w=weight, x=row: torch.mv(w, x))
-    choice = Choice(OneRow.mv if mv_ms < linear_ms else OneRow.linear, "measured", linear_ms, mv_ms, len(counts))
+            for way in timed:
+                ms[str(way)] += n * best_ms(one_row_call(way, first[shape]))
+    choice = Choice(OneRow(min(ms, key=ms.get)), "measured", ms, len(counts))
     if path is not None:
         write_text_atomic(path, json.dumps({**key, **choice.record()}, indent=2) + "\n")
     return choice
@@ -145,4 +179,54 @@ def swap_dense_linears(model: nn.Module) -> int:
     linears = dense_linears(model)
     for module in linears:
         module.__class__ = RowLinear
+    return len(linears)
+
+
+class PackedLinear(nn.Module):
+    """A dense linear without a bias computed by ``bf16_rows`` from its weight packed once (``bf16_cpu.pack``)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if reason := rows_unsupported([linear.weight]):
+            raise EngineLimit(f"engine.one_row=rows: {bf16_cpu.OP} cannot compute this weight here: {reason}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", bf16_cpu.pack(linear.weight.detach()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = bf16_cpu.rows(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedEmbedding(nn.Module):
+    """A table tied to a ``PackedLinear``'s weight, its tokens' rows read from the packed layout times
+    ``embed_scale`` (Gemma's scaled embedding: the same values as the table it replaces)."""
+
+    def __init__(self, linear: PackedLinear, embed_scale: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = bf16_cpu.row_of(self.linear.packed, ids)
+        return rows * self.embed_scale.to(rows.dtype)
+
+
+def pack_dense_linears(model: nn.Module) -> int:
+    """Makes every plain ``nn.Linear`` of ``model`` (``dense_linears``) without a bias a ``PackedLinear``, one at a
+    time (each original weight freed once packed, unless a table shares it: that table becomes a ``PackedEmbedding``
+    of the packed weight); returns how many. A linear with a bias (none in Gemma 4) keeps ``F.linear``, which adds it
+    before the one rounding to the run's dtype."""
+    linears = {id(m) for m in dense_linears(model) if m.bias is None}
+    tables = {m.weight.data_ptr(): (path, m) for path, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    for path, module in list(model.named_modules()):
+        if id(module) not in linears:
+            continue
+        packed = PackedLinear(module)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, packed)
+        if (tied := tables.get(module.weight.data_ptr())) is not None:
+            table_path, table = tied
+            scale = getattr(table, "embed_scale", torch.tensor(1.0))
+            table_parent, _, table_leaf = table_path.rpartition(".")
+            setattr(model.get_submodule(table_parent), table_leaf, PackedEmbedding(packed, scale))
     return len(linears)

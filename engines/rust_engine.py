@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from decodebench.checkpoint import load_model
-from decodebench.config import EngineConfig, at_least
+from decodebench.config import ConfigError, EngineConfig, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import full_slots, kv_sources, ring_slots
 from engines import one_row
@@ -30,7 +30,7 @@ class RustEngineConfig(EngineConfig):
     compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
     which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is the faster of ``at::mv`` and
     the matrix product on this CPU, measured on the model's shapes,
-    ``at::linear`` elsewhere)."""
+    ``at::linear`` elsewhere; ``rows``, the Python engines' own kernel, is refused by name)."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
@@ -38,6 +38,9 @@ class RustEngineConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
+        if self.one_row not in (OneRow.auto, *one_row.ATEN_WAYS):
+            raise ConfigError(f"engine.one_row={self.one_row}: the Rust engine calls ATen's kernels, "
+                              f"{' or '.join(one_row.ATEN_WAYS)} (or auto)")  # fmt: skip
 
 
 def built() -> str | None:
@@ -109,7 +112,7 @@ class RustEngine(Engine):
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
         dense = [m.weight for m in one_row.dense_linears(model)]
         self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, dense,
-                                             self.ctx.cache_dir)  # fmt: skip
+                                             self.ctx.cache_dir, one_row.ATEN_WAYS)  # fmt: skip
         self.one_row = self.one_row_choice.one_row
         config["one_row_mv"] = self.one_row == OneRow.mv
         self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import int4, one_row
+from engines import bf16_cpu, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.steps import SteppedEngine
@@ -64,8 +64,9 @@ class SteppingEngineConfig(EngineConfig):
     ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels), over ``INDUCTOR_DEFAULTS``
     (``+engine.inductor.emulate_precision_casts=false`` turns eager's rounding off); refused with any other
     backend, and an option TorchInductor does not know is refused by it when the step compiles.
-    ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the faster of
-    the two on this CPU, measured on the model's own shapes); refused as ``mv`` where no linear is dense
+    ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on
+    this CPU, measured on the model's own shapes; ``rows`` the project's ``bf16_rows`` for every row count,
+    skipped, named, where it cannot run); refused as ``mv`` or ``rows`` where no linear is dense
     (``engine.weights=int4``).
     """
 
@@ -76,9 +77,9 @@ class SteppingEngineConfig(EngineConfig):
     one_row: OneRow = OneRow.auto
 
     def __post_init__(self) -> None:
-        if self.one_row == OneRow.mv and self.weights == Weights.int4:
-            raise ConfigError("engine.one_row=mv has no effect with engine.weights=int4: every linear is held 4-bit "
-                              "(Int4Linear), none is dense")  # fmt: skip
+        if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
+            raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear "
+                              "is held 4-bit (Int4Linear), none is dense")  # fmt: skip
 
 
 class SteppingEngine(SteppedEngine):
@@ -97,6 +98,11 @@ class SteppingEngine(SteppedEngine):
             reason = int4.unsupported(device.kind, run_cfg.dtype.torch)
             if reason:
                 return reason
+        if run_cfg.engine.one_row == OneRow.rows:
+            if device.kind != "cpu":
+                return f"engine.one_row=rows is a CPU kernel ({bf16_cpu.OP}); this device is {device.kind}"
+            if reason := bf16_cpu.unsupported(run_cfg.dtype.torch, 8):
+                return f"engine.one_row=rows: {bf16_cpu.OP} cannot run here: {reason}"
         return super().unsupported_reason(device, run_cfg)
 
     @classmethod
@@ -131,6 +137,8 @@ class SteppingEngine(SteppedEngine):
                                                  self.ctx.cache_dir)  # fmt: skip
             if self.one_row_choice.one_row == OneRow.mv:
                 self.row_linears = one_row.swap_dense_linears(self.model)
+            elif self.one_row_choice.one_row == OneRow.rows:
+                self.row_linears = one_row.pack_dense_linears(self.model)
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 
@@ -215,8 +223,8 @@ class SteppingEngine(SteppedEngine):
         return {
             "backend": self.backend,
             "inductor": self.inductor_options(),
-            "one_row": str(OneRow.mv if self.row_linears else OneRow.linear),
-            "one_row_mv_linears": self.row_linears,
+            "one_row": str(self.one_row_choice.one_row if self.row_linears else OneRow.linear),
+            "one_row_linears": self.row_linears,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             "read_every": self.ctx.read_every,
             **weights,

@@ -63,7 +63,8 @@ from experiments.profile_classes import BETWEEN, CLASSES, DISPATCH, WEIGHT_KINDS
 from experiments.profile_jax import JaxProfile
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv_",
-           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "decodebench_int4::int4_rows")  # fmt: skip
+           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "decodebench_int4::int4_rows",
+           "decodebench_bf16::bf16_rows")  # fmt: skip
 ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention")
 LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
 LOGITS = ("aten::argmax", "aten::tanh")
@@ -117,6 +118,9 @@ def matmul_shape(op: str, shapes: list[list[int]]) -> tuple[int, int] | None:
     if op == "decodebench_int4::int4_rows":  # x [rows, in], words [tiles of 16 outputs, in / 8, 32]
         x, words = (shapes + [[], []])[:2]
         return (x[-1], words[0] * 16) if len(x) >= 2 and len(words) == 3 else None
+    if op == "decodebench_bf16::bf16_rows":  # x [rows, in], packed [tiles of 16 outputs, in / 2, 16, 2]
+        x, packed = (shapes + [[], []])[:2]
+        return (x[-1], packed[0] * 16) if len(x) >= 2 and len(packed) == 4 else None
     if op.endswith("_weight_int4pack_mm_for_cpu") or op.endswith("_weight_int4pack_mm"):
         x, scales = shapes[0], shapes[-1]  # scales and zeros: [in / group, out, 2]
         return (x[-1], scales[1]) if len(x) >= 2 and len(scales) == 3 else None

@@ -1,6 +1,7 @@
-"""``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, and ``torch.mv``: what
-``engine.one_row=mv`` calls on one row) against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows``
-on a CPU with AVX-512 BF16; and ``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark.
+"""``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, ``torch.mv``: what
+``engine.one_row=mv`` calls on one row, and ``dense-rows``, the project's ``bf16_rows``: ``engine.one_row=rows``)
+against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows`` on a CPU with AVX-512 BF16; and
+``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark.
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
@@ -18,7 +19,7 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench.device import resolve_device
-from engines import int4
+from engines import int4, one_row
 from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
 
@@ -33,6 +34,13 @@ def e2b_linear_shapes() -> list[tuple[int, int]]:
 
 SHAPES = e2b_linear_shapes()
 KERNELS = {"dense": "F.linear", "dense-mv": "torch.mv"}
+
+
+def packed_linear(weight: torch.Tensor) -> one_row.PackedLinear:
+    """``weight`` [out, in] as ``engine.one_row=rows`` holds it."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+    linear.weight.data = weight
+    return one_row.PackedLinear(linear)
 COLD_BYTES = 512 << 20  # a call's weight copies together hold at least this much (1024 at most): more than any cache
 
 
@@ -42,27 +50,31 @@ def device():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("weights", ["dense", "dense-mv", "int4", "int4-aten"])
+@pytest.mark.parametrize("weights", ["dense", "dense-mv", "dense-rows", "int4", "int4-aten"])
 def test_linear(benchmark, device, shape, weights):
     reason = int4.unsupported(device.kind, torch.bfloat16)
     if weights.startswith("int4") and reason:
         pytest.skip(reason)
     if weights == "int4-aten" and device.kind != "cpu":
         pytest.skip("aten's CPU int4 kernel is the cpu's alternative only")
+    if weights == "dense-rows" and (reason := one_row.rows_unsupported([torch.empty(1, shape[1], dtype=torch.bfloat16,
+                                                                                    device=device.torch_device)])):
+        pytest.skip(reason)  # fmt: skip
     packed, dense = packed_weight(*shape)
     x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device.torch_device)
     w = dense.to(torch.bfloat16).to(device.torch_device)
     kernel = int4.KERNELS["cpu"] if weights == "int4-aten" else None
     if weights.startswith("int4"):
-        layers = [int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)]
-        held = sum(t.nbytes for t in layers[0].buffers())
+        make = lambda: int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)  # noqa: E731
+    elif weights == "dense-rows":
+        make = lambda: packed_linear(w)  # noqa: E731
     else:
-        layers, held = [], w.nbytes
+        make = None
+    layers = [make()] if make else []
+    held = sum(t.nbytes for t in layers[0].buffers()) if layers else w.nbytes
     # copies enough to leave the caches behind: each call reads another, as a decode step reads each weight once
     copies = max(1, min(1024, -(-COLD_BYTES // held)))
-    if layers:
-        layers += [int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)
-                   for _ in range(copies - 1)]  # fmt: skip
+    layers += [make() for _ in range(copies - 1)] if make else []
     weights_held = [w] + [w.clone() for _ in range(copies - 1)] if not layers else []
     turn = iter(range(1 << 62))
 
@@ -77,7 +89,8 @@ def test_linear(benchmark, device, shape, weights):
         device.sync()
         return y
 
-    benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights],
+    kernel_name = getattr(layers[0], "kernel", one_row.bf16_cpu.OP) if layers else KERNELS[weights]
+    benchmark.extra_info.update(device=device.name, kernel=kernel_name,
                                 bytes=held, copies=copies, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))

@@ -1,7 +1,8 @@
 """``decodebench_int4.int4_rows`` (engines/int4_cpu.py) against a float64 reference: every E2B linear shape, odd
-sizes (a partial last tile, groups of 8 to 256 inputs), 1 to 9 rows (whole and partial blocks of four), the scales
-in each dtype a checkpoint stores them in. Exact means: each output within the bf16 rounding of the float64 value
-plus what float32 sums of its products may lose, and equal to the correctly rounded bf16 value almost everywhere."""
+sizes (a partial last tile, an odd number of tiles, groups of 8 to 256 inputs), 1 to 12 rows (whole and partial
+passes of four, over tiles taken two at a time), the scales in each dtype a checkpoint stores them in. Exact means:
+each output within the bf16 rounding of the float64 value plus what float32 sums of its products may lose, and equal
+to the correctly rounded bf16 value almost everywhere."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_lm_head_shape_first_tiles():
     held_to_reference(8192, 1536, group=32, scale_dtype=torch.float16, rows=1)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12])
 @pytest.mark.parametrize(("out", "inputs", "group"), [(37, 96, 32), (16, 64, 64), (100, 384, 128), (5, 256, 256),
                                                       (33, 48, 8), (50, 144, 48)])  # fmt: skip
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])

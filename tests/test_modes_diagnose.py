@@ -129,12 +129,12 @@ def test_compiled_with_the_wrappers_on_counts_graphs_and_breaks(cells):
     assert off["engine"]["graphs"] == 1 and off["engine"]["graph_breaks"] == 0
     assert on["outputs"]["generated_ids"] == off["outputs"]["generated_ids"]
     # engine.one_row=auto leaves the article's Transformers path as it is, and decides the decodebench-loaded one by
-    # measurement (its linears through mv where that read faster here)
-    assert (on["engine"]["one_row"], on["engine"]["one_row_mv_linears"], on["engine"]["one_row_choice"]) == (
+    # measurement (its linears through mv or the packed rows where that read faster here)
+    assert (on["engine"]["one_row"], on["engine"]["one_row_linears"], on["engine"]["one_row_choice"]) == (
         "linear", 0, None)  # fmt: skip
     chose = off["engine"]["one_row_choice"]
     assert chose["how"] != "set" and off["engine"]["one_row"] == chose["one_row"]
-    assert (off["engine"]["one_row_mv_linears"] > 0) == (chose["one_row"] == "mv")
+    assert (off["engine"]["one_row_linears"] > 0) == (chose["one_row"] != "linear")
 
 
 def test_wrappers_on_cannot_keep_weights_4bit(cell_cfg, tiny):

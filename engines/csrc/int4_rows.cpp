@@ -10,31 +10,21 @@
 // of each word: the table repeats after 16), each multiplied by a pair of x's inputs broadcast to the 16 lanes
 // (vdpbf16ps: bf16 products, exact in float32, summed in float32). A lane is an output, so no horizontal sum is
 // needed: at each group's end the four partial sums are added and scaled, at the tile's end rounded to bf16 once.
-// Rows of x are taken four at a time over a tile; a tile (16 outputs by K inputs, at most 56 KiB on E2B's shapes)
-// is read from memory by the first four rows and from the cache by the rest.
+// Rows of x are taken four at a time over two tiles side by side (16 outputs by K inputs each, at most 56 KiB on
+// E2B's shapes): the first four read them from memory, the rest from the core's cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
-#include <cstdint>
-#include <cstring>
+#include "rows.h"
 
 namespace {
 
-constexpr int64_t kTile = 16;   // outputs in a tile: one float32 lane each
+using namespace decodebench;
+
 constexpr int64_t kChunk = 8;   // inputs in a chunk: 64 bytes of a tile
 constexpr int64_t kWords = 32;  // 16-bit words in a chunk
-constexpr int kRows = 4;        // rows of x computed per pass over a tile
-// Words ahead of the chunk being read that each chunk asks the cache for (16 KiB). The hardware prefetcher alone
-// left a one-row product over lm_head (226 MB) at 31-34 GB/s on a 2-core AMD EPYC whose streaming read is ~50 GB/s;
-// 1, 4, 8, 16 and 32 KiB ahead gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there.
-constexpr int64_t kPrefetch = 8192;
-
-#define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // bf16 bits of level - 8 for the 16 levels, twice (vpermw indexes by five bits).
 struct LevelTable {
@@ -44,12 +34,6 @@ struct LevelTable {
   }
 };
 const LevelTable kLevels;
-
-bool cpu_has_kernel() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
 
 template <typename Scale>
 DB_TARGET inline __m512 load_scales(const Scale* s) {
@@ -63,46 +47,59 @@ DB_TARGET inline __m512 load_scales(const Scale* s) {
   }
 }
 
-DB_TARGET inline __m512i pair_of(const c10::BFloat16* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  return _mm512_set1_epi32(bits);
-}
-
 // `rows` rows of x (each `ldx` apart) times one tile: 16 outputs of each row written to y (`ldy` apart),
 // the first `valid` of them (a model's last tile may be partial).
-template <int Rows, typename Scale>
-DB_TARGET void tile_rows(const uint16_t* words, const Scale* scales, const c10::BFloat16* x, int64_t ldx, int64_t in,
-                         int64_t group, c10::BFloat16* y, int64_t ldy, int64_t valid) {
+constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles (eight would leave too few registers)
+
+// `Rows` rows of x (each `ldx` apart) times `Tiles` adjacent tiles (each `tile_words` and `tile_scales` apart): 16
+// outputs a tile of each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last
+// tile may be partial).
+template <int Rows, int Tiles, typename Scale>
+DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale* scales, int64_t tile_scales,
+                         const c10::BFloat16* x, int64_t ldx, int64_t in, int64_t group, c10::BFloat16* y, int64_t ldy,
+                         int64_t valid) {
   const __m512i table = _mm512_load_si512(kLevels.bits);
   const int64_t chunks = group / kChunk;
-  __m512 acc[Rows];
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int Parts = kParts<Rows, Tiles>;
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(uint16_t);
+  __m512 acc[Rows][Tiles];
+  for (int r = 0; r < Rows; ++r)
+    for (int t = 0; t < Tiles; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < in; k0 += group, scales += kTile) {
-    __m512 part[Rows][4];
+    __m512 part[Rows][Tiles][Parts];
     for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
+      for (int t = 0; t < Tiles; ++t)
+        for (int j = 0; j < Parts; ++j) part[r][t][j] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c, words += kWords) {
-      _mm_prefetch(reinterpret_cast<const char*>(words + kPrefetch), _MM_HINT_T0);
-      const __m512i packed = _mm512_loadu_si512(words);
+      __m512i packed[Tiles];
+      for (int t = 0; t < Tiles; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(words + t * tile_words + ahead), _MM_HINT_T0);
+        packed[t] = _mm512_loadu_si512(words + t * tile_words);
+      }
       const int64_t k = k0 + c * kChunk;
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m512i w = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4 * j), table);
-#pragma GCC unroll 4
-        for (int r = 0; r < Rows; ++r)
-          part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)w, (__m512bh)pair_of(x + r * ldx + k + 2 * j));
+        __m512i w[Tiles];
+        for (int t = 0; t < Tiles; ++t) w[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed[t], 4 * j), table);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const __m512bh xs = (__m512bh)pair_of(x + r * ldx + k + 2 * j);
+          for (int t = 0; t < Tiles; ++t)
+            part[r][t][j % Parts] = _mm512_dpbf16_ps(part[r][t][j % Parts], (__m512bh)w[t], xs);
+        }
       }
     }
-    const __m512 s = load_scales(scales);
-    for (int r = 0; r < Rows; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
-      acc[r] = _mm512_fmadd_ps(sum, s, acc[r]);
+    for (int t = 0; t < Tiles; ++t) {
+      const __m512 s = load_scales(scales + t * tile_scales);
+      for (int r = 0; r < Rows; ++r) {
+        __m512 sum = part[r][t][0];
+        for (int j = 1; j < Parts; ++j) sum = _mm512_add_ps(sum, part[r][t][j]);
+        acc[r][t] = _mm512_fmadd_ps(sum, s, acc[r][t]);
+      }
     }
   }
-  const __mmask16 lanes = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   for (int r = 0; r < Rows; ++r)
-    _mm256_mask_storeu_epi16(y + r * ldy, lanes, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    for (int t = 0; t < Tiles; ++t) store_tile(y + r * ldy + t * kTile, acc[r][t], t == Tiles - 1 ? valid : kTile);
 }
 
 template <typename Scale>
@@ -113,20 +110,18 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
   const auto* sp = scales.data_ptr<Scale>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t tile_words = in / kChunk * kWords, tile_scales = in / group * kTile;
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t valid = std::min(kTile, out - t * kTile);
+  const int64_t passes = (tiles + kTilesAtOnce - 1) / kTilesAtOnce;
+  at::parallel_for(0, passes, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t t = p * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
       for (int64_t r = 0; r < rows; r += kRows) {
-        const uint16_t* w = wp + t * tile_words;
-        const Scale* s = sp + t * tile_scales;
-        const c10::BFloat16* xr = xp + r * in;
-        c10::BFloat16* yr = yp + r * out + t * kTile;
-        switch (std::min<int64_t>(kRows, rows - r)) {
-          case 4: tile_rows<4>(w, s, xr, in, in, group, yr, out, valid); break;
-          case 3: tile_rows<3>(w, s, xr, in, in, group, yr, out, valid); break;
-          case 2: tile_rows<2>(w, s, xr, in, in, group, yr, out, valid); break;
-          default: tile_rows<1>(w, s, xr, in, in, group, yr, out, valid);
-        }
+        with_rows(std::min(kRows, rows - r), [&]<int R>() {
+          over_tiles<R>(t, end, [&]<int T>(int64_t u) {
+            const int64_t valid = std::min(kTile, out - (u + T - 1) * kTile);
+            tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, in,
+                            group, yp + r * out + u * kTile, out, valid);
+          });
+        });
       }
     }
   });
@@ -134,7 +129,7 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
 
 at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group,
                      int64_t out_features) {
-  TORCH_CHECK(cpu_has_kernel(), "decodebench::int4_rows needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(cpu_has_kernels(), "decodebench::int4_rows needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16, got ", x.sizes(), " ",
               x.scalar_type());
   TORCH_CHECK(group > 0 && group % kChunk == 0 && x.size(1) % group == 0, "group ", group,
@@ -156,7 +151,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& words, const at::Ten
   return y;
 }
 
-bool supported() { return cpu_has_kernel(); }
+bool supported() { return cpu_has_kernels(); }
 
 }  // namespace
 

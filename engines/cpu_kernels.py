@@ -1,0 +1,59 @@
+"""The project's own products for a CPU with AVX-512 BF16, built from ``csrc/`` into one library at setup.
+
+``decodebench_int4::int4_rows`` (``engines.int4_cpu``, ``csrc/int4_rows.cpp``) multiplies bf16 rows by a W4A16
+weight, ``decodebench_bf16::bf16_rows`` (``engines.bf16_cpu``, ``csrc/bf16_rows.cpp``) by a bf16 one; both read a
+weight packed once at load into tiles of 16 outputs, front to back, and share ``csrc/rows.h``. They are built by
+torch's C++ extension loader (``main``, at setup: no test or cell compiles them) into ``build/`` and registered in
+C++ (``TORCH_LIBRARY``), so a compiled step calls each as one opaque operator. Where they cannot be built (no
+compiler) or run (the CPU lacks AVX-512 BF16) the engines use aten's kernels and the evidence names which ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp")
+BUILD = Path(__file__).parents[1] / "build" / f"cpu_kernels-torch{torch.__version__.replace('+', '-')}"
+
+
+@functools.cache
+def built() -> bool:
+    """Builds (once per source and torch version; a no-op after) and loads the library; True when this CPU runs
+    it, False when it cannot be built here (a warning says why) or this CPU cannot run it."""
+    from torch.utils import cpp_extension
+
+    BUILD.mkdir(parents=True, exist_ok=True)
+    venv_bin = str(Path(sys.executable).parent)  # the ninja the project installs (pyproject), which the loader runs
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(name="decodebench_cpu", sources=[str(s) for s in SOURCES],
+                           extra_cflags=["-O3", "-std=c++20"], extra_include_paths=[str(CSRC)],
+                           build_directory=str(BUILD), is_python_module=False, verbose=False)  # fmt: skip
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        warnings.warn(f"the project's CPU kernels could not be built here, aten's run instead: {exc}", stacklevel=2)
+        return False
+
+    @torch.library.register_fake("decodebench_int4::int4_rows")
+    def _(x, words, scales, group, out_features):  # its output's shape, for a compiled step that traces it
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("decodebench_bf16::bf16_rows")
+    def _(x, packed, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    return bool(torch.ops.decodebench_int4.supported())
+
+
+def main() -> None:
+    """``make setup``: builds them once."""
+    runs = "built, and this CPU runs them" if built() else "not run here (see the warning above, or no AVX-512 BF16)"
+    print(f"setup: the project's CPU kernels into {BUILD}: {runs}")

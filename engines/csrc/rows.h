@@ -1,0 +1,80 @@
+// What the project's CPU row kernels (int4_rows.cpp, bf16_rows.cpp) share: the instruction set they are compiled
+// for, the check that this CPU has it, the tile of outputs a float32 vector holds, and a pair of bf16 inputs
+// broadcast to every lane (the second operand of vdpbf16ps).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace decodebench {
+
+constexpr int64_t kTile = 16;  // outputs in a tile: one float32 lane each
+// Bytes ahead of the ones being read that each 64 bytes ask the cache for (16 KiB). The hardware prefetcher alone
+// left a one-row int4 product over lm_head (226 MB) at 31-34 GB/s on a 2-core AMD EPYC whose streaming read is
+// ~50 GB/s; 1, 4, 8, 16 and 32 KiB ahead gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there.
+constexpr int64_t kPrefetchBytes = 16384;
+
+#define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+inline bool cpu_has_kernels() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+// x[0] and x[1] in each of the 16 lanes.
+DB_TARGET inline __m512i pair_of(const c10::BFloat16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return _mm512_set1_epi32(bits);
+}
+
+// The first `valid` of a tile's 16 float32 sums rounded once to bf16 and written to y.
+DB_TARGET inline void store_tile(c10::BFloat16* y, __m512 sums, int64_t valid) {
+  const __mmask16 lanes = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  _mm256_mask_storeu_epi16(y, lanes, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+// Independent sums each output lane of a pass over `Rows` rows and `Tiles` tiles keeps, so that some eight
+// vdpbf16ps are always in flight.
+template <int Rows, int Tiles>
+constexpr int kParts = Rows * Tiles >= 16 ? 1 : (16 + Rows * Tiles - 1) / (Rows * Tiles);
+
+// Tiles a pass of four rows or more reads side by side: each broadcast pair of a row's inputs then feeds two
+// vdpbf16ps instead of one. With one tile and eight sums in flight, passes of four and eight rows stayed near 0.35-0.39
+// TFLOP/s on a 2-core AMD EPYC, where oneDNN's bf16 GEMM reaches 0.9 with 256 rows; two tiles and sixteen sums gave
+// 0.45-0.5. A pass of fewer rows is bound by memory and reads one tile at a time (one stream a thread).
+constexpr int64_t kTilesAtOnce = 2;
+
+// fn.template operator()<T>(u) over the tiles [t, end) (at most kTilesAtOnce): all at once for passes of four rows
+// or more, one by one (T = 1) for fewer.
+template <int Rows, typename Fn>
+inline void over_tiles(int64_t t, int64_t end, Fn&& fn) {
+  if (Rows >= 4 && end - t == 2) {
+    fn.template operator()<2>(t);
+  } else {
+    for (int64_t u = t; u < end; ++u) fn.template operator()<1>(u);
+  }
+}
+
+// fn.template operator()<R>() for R = min(8, rows): the row count as a compile-time constant (callers pass at most
+// the rows a pass takes).
+template <typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows >= 8 ? 8 : rows) {
+    case 8: fn.template operator()<8>(); break;
+    case 7: fn.template operator()<7>(); break;
+    case 6: fn.template operator()<6>(); break;
+    case 5: fn.template operator()<5>(); break;
+    case 4: fn.template operator()<4>(); break;
+    case 3: fn.template operator()<3>(); break;
+    case 2: fn.template operator()<2>(); break;
+    default: fn.template operator()<1>();
+  }
+}
+
+}  // namespace decodebench
