@@ -272,6 +272,43 @@ def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 
     }
 
 
+MATMUL_SHAPE = (512, 1536, 6144)  # rows, inputs, outputs: a prompt piece of 512 tokens through E2B's MLP gate
+
+
+def measure_matmul(device: Device, repeats: int = 10) -> dict[str, object]:
+    """The bf16 matrix-product rate this device reaches, in GFLOP/s (2 x rows x inputs x outputs a product), best of
+    ``repeats``: the framework's own GEMM over ``MATMUL_SHAPE``, large enough to be bound by arithmetic, not by
+    memory. What a batched decode step's products could reach here (a report's compute ceiling where no facts file
+    gives the chip's peak); a library's GEMM, not the instruction set's theoretical peak.
+
+    Timer boundaries: ``device.sync()`` before and after each product, after one untimed product."""
+    rows, inputs, outputs = MATMUL_SHAPE
+    if isinstance(device, JaxDevice) and device.kind != "cpu":
+        import jax
+        import jax.numpy as jnp
+
+        x = jax.device_put(jnp.ones((rows, inputs), jnp.bfloat16), device.jax_device)
+        w = jax.device_put(jnp.ones((inputs, outputs), jnp.bfloat16), device.jax_device)
+        dot = jax.jit(jnp.dot)
+        product, how = (lambda: dot(x, w).block_until_ready()), "jax jit dot"
+    else:
+        x = torch.randn(rows, inputs, device=device.torch_device).to(torch.bfloat16)
+        w = torch.randn(inputs, outputs, device=device.torch_device).to(torch.bfloat16)
+        product, how = (lambda: torch.mm(x, w)), "torch mm"
+    flop = 2 * rows * inputs * outputs
+    product()
+    samples = []
+    for _ in range(repeats):
+        device.sync()
+        start = time.perf_counter()
+        product()
+        device.sync()
+        samples.append(flop / (time.perf_counter() - start) / 1e9)
+    return {"value": max(samples), "unit": "GFLOP/s", "samples": samples,
+            "method": f"{how} of bf16 [{rows}, {inputs}] x [{inputs}, {outputs}], 2*rows*inputs*outputs FLOP / "
+                      f"seconds, best of {repeats}"}  # fmt: skip
+
+
 class EagerMode(StrEnum):
     """How TorchTPU runs eager ops: strict eager (each op as it is called) or defer-and-fuse (ops collected
     and compiled in groups; TPU only). Engines that run plain PyTorch ops take it as ``engine.mode``."""

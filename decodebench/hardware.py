@@ -1,10 +1,11 @@
-"""Hardware facts for derived figures: ``conf/hardware/<name>.yaml``, plus a bandwidth measurement.
+"""Hardware facts for derived figures: ``conf/hardware/<name>.yaml``, plus a bandwidth and a matmul measurement.
 
 ``facts`` is a pure function of the config and the device. Where a facts file gives no memory
 bandwidth, ``bandwidth`` measures it once per host, device and sweep (the best of many streaming reads, what a
 decode step does, with the best streaming copy beside it) and keeps the measurement beside the cache, so every
 cell of a sweep divides by the same denominator; each cell's evidence records the measurement it used, with the
-file it came from.
+file it came from. Where it gives no bf16 peak either, the same file holds the bf16 matrix-product rate measured
+here (``measure_matmul``), the compute ceiling a batched step's products are held against.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 
 from decodebench import evidence
 from decodebench.config import HardwareConfig
-from decodebench.device import Device, measure_bandwidth
+from decodebench.device import Device, measure_bandwidth, measure_matmul
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 KNOWN_GPUS = {"H200": "nvidia-h200"}
@@ -47,7 +48,8 @@ def facts(hardware_cfg: HardwareConfig, device: Device) -> dict[str, Any]:
 def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
     """This host's measured memory bandwidth for ``sweep`` on this device: measured by the first cell, then
     reused. The file is named by host, device kind and device name, and a reused file must say the same
-    host and device (else it is measured again: a copied cache never lends another machine's figure)."""
+    host and device (else it is measured again: a copied cache never lends another machine's figure). A file
+    from before the matmul rate was measured gets it added, its bandwidth kept (the sweep's denominator stays)."""
     host = socket.gethostname()
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", device.name).strip("-") or device.kind
     path = Path(cache_dir) / "bandwidth" / sweep / f"{host}-{device.kind}-{name}.json"
@@ -55,19 +57,27 @@ def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, An
         kept = evidence.read(path)
         same = kept.get("host") == host and kept.get("device") == device.name and kept.get("device_kind") == device.kind
         if same and "copy" in kept:  # a file from before the read was measured is measured again
+            if "matmul" not in kept:
+                kept["matmul"] = measure_matmul(device)
+                evidence.write_atomic(path, kept)
             return {**kept, "file": str(path)}
-    measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "host": host, "device": device.name,
-                "device_kind": device.kind}  # fmt: skip
+    measured = {**measure_bandwidth(device, repeats=BANDWIDTH_COPIES), "matmul": measure_matmul(device),
+                "host": host, "device": device.name, "device_kind": device.kind}  # fmt: skip
     evidence.write_atomic(path, measured)
     return {**measured, "file": str(path)}
 
 
 def resolve(hardware_cfg: HardwareConfig, device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
-    """The hardware block of an evidence file: the facts, and the sweep's bandwidth where none is given."""
+    """The hardware block of an evidence file: the facts, and the sweep's bandwidth (and bf16 matmul rate, as
+    ``peak_bf16_tflops``) where none is given."""
     block = facts(hardware_cfg, device)
     block["bandwidth_source"] = "facts file" if block["memory_bandwidth_gb_s"] else "measured"
-    if not block["memory_bandwidth_gb_s"]:
+    block["peak_source"] = "facts file" if block["peak_bf16_tflops"] else "measured"
+    if not block["memory_bandwidth_gb_s"] or not block["peak_bf16_tflops"]:
         measured = bandwidth(device, cache_dir, sweep)
-        block["memory_bandwidth_gb_s"] = measured["value"]
         block["bandwidth_measurement"] = measured
+        if not block["memory_bandwidth_gb_s"]:
+            block["memory_bandwidth_gb_s"] = measured["value"]
+        if not block["peak_bf16_tflops"]:
+            block["peak_bf16_tflops"] = measured["matmul"]["value"] / 1e3
     return block

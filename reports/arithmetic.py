@@ -281,6 +281,21 @@ HELD_BYTES: dict[str, Callable[[int], float]] = {
 }
 
 
+def weights_per_step(shape: dict[str, Any], layers: list[dict[str, Any]]) -> dict[str, float]:
+    """The weights a decode step multiplies every row by, by part: ``linears`` (attention q, o and, on a layer that
+    owns its cache, k, v; the MLP's three; the per-layer gate and projection; the per-layer model projection) and
+    ``lm_head``, as counts of weights (not bytes)."""
+    h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
+    linear = 0.0
+    for i, layer in enumerate(layers):
+        d, kv_heads, owns_kv = layer["head_dim"], layer["kv_heads"], layer["kv_source"] == i
+        linear += h * heads * d * 2 + (2 * h * kv_heads * d if owns_kv else 0)  # q, o (+ k, v)
+        linear += 3 * h * layer["intermediate_size"]
+        linear += 2 * h * ple  # per-layer input gate and projection
+    linear += h * len(layers) * ple  # per_layer_model_projection
+    return {"linears": linear, "lm_head": shape["vocab_size"] * h}
+
+
 def bytes_per_token(
     shape: dict[str, Any],
     layers: list[dict[str, Any]],
@@ -298,24 +313,16 @@ def bytes_per_token(
     Every linear, ``lm_head`` included, is read at ``HELD_BYTES[weights]`` bytes a weight. Returns the weights'
     bytes a token, the KV bytes a token, and ``parts``: what one step reads of each (linears and lm_head whole).
     """
-    h, heads, ple = shape["hidden_size"], shape["num_attention_heads"], shape["hidden_size_per_layer_input"]
-    vocab, window = shape["vocab_size"], shape["sliding_window"]
-    linear = ple_proj = kv = 0.0
-    for i, layer in enumerate(layers):
-        d, kv_heads, owns_kv = layer["head_dim"], layer["kv_heads"], layer["kv_source"] == i
-        linear += h * heads * d * 2 + (2 * h * kv_heads * d if owns_kv else 0)  # q, o (+ k, v)
-        linear += 3 * h * layer["intermediate_size"]
-        ple_proj += 2 * h * ple
+    h, ple, window = shape["hidden_size"], shape["hidden_size_per_layer_input"], shape["sliding_window"]
+    kv = 0.0
+    for layer in layers:
         slots = position if layer["type"] == "full_attention" else min(position, window)
-        kv += 2 * kv_heads * d * dtype_bytes * slots
-    linear += h * len(layers) * ple  # per_layer_model_projection
-
-    def held(params: float) -> float:  # bytes a weight matrix is read at
-        return params * HELD_BYTES[weights](dtype_bytes)
-
+        kv += 2 * layer["kv_heads"] * layer["head_dim"] * dtype_bytes * slots
+    held = HELD_BYTES[weights](dtype_bytes)  # bytes a weight is read at
+    step = weights_per_step(shape, layers)
     parts = {
-        "linears": held(linear + ple_proj),
-        "lm_head": held(vocab * h),
+        "linears": step["linears"] * held,
+        "lm_head": step["lm_head"] * held,
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
     return (parts["linears"] + parts["lm_head"]) / batch + parts["embedding rows"], kv, parts
@@ -415,21 +422,60 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
     return entries
 
 
+def matmul_ceiling(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
+    """The fraction of the device's bf16 matrix-product rate a way's weight products reach: the multiply-adds a
+    token takes through every linear and lm_head (2 FLOP each) times the decode rate, over ``peak_tflops`` (the
+    facts file's peak, or the GEMM rate measured in the sweep: ``decodebench.device.measure_matmul``). One row
+    reads its weights for one token, so this stays small; B rows share a read, so it grows with B, and where it
+    nears 100% the products, not the memory, set the step."""
+    entries = []
+    for _, row in decode.iterrows():
+        model = models.get(row.files[0], {})
+        if not model.get("layers") or _missing(row.get("peak_tflops")):
+            continue
+        step = weights_per_step(model["shape"], model["layers"])
+        flop = 2 * (step["linears"] + step["lm_head"])
+        interval = _scaled(row.decode, lambda r, f=flop, peak=row.peak_tflops: 100 * f * r / 1e12 / peak)
+        entries.append(
+            Entry(
+                f"matmul-ceiling/{row.engine}/{row.key}",
+                f"fraction of the bf16 matrix-product rate {row.engine}'s weight products reach",
+                "2 * (linear weights + lm_head weights) * rate / peak",
+                [
+                    Input("linear weights", step["linears"], "weights", f"model shape and layers in {row.files[0]}"),
+                    Input("lm_head weights", step["lm_head"], "weights", f"model shape in {row.files[0]}"),
+                    _rate_input("rate", row),
+                    Input("peak", row.peak_tflops, "TFLOP/s",
+                          f"{row.peak_source} for {row.hardware}, recorded in {', '.join(row.files)}"),  # fmt: skip
+                ],
+                interval.value,
+                "%",
+                [f"achieved {flop * row.decode_median / 1e12:.4g} TFLOP/s in the weight products; attention and "
+                 "elementwise work left out"],  # fmt: skip
+                row=(row.engine, row.key),
+                interval=interval,
+            )
+        )
+    return entries
+
+
 def measured(
     decode: pd.DataFrame, models: dict[str, dict[str, Any]], floors: dict[str, float] | None = None
 ) -> list[Entry]:
-    """Every measured entry: ratios, the JAX gap, costs, roofline; none when no decode row is VALID.
+    """Every measured entry: ratios, the JAX gap, costs, roofline, matmul ceiling; none when no decode row is VALID.
 
     ``models``: each evidence file's model block (shape and per-layer layout); ``floors``: the A/A noise
     floor per environment fingerprint."""
     if decode.empty:
         return []
-    return [*decode_ratios(decode, floors), *jax_gap(decode, floors), *costs(decode), *roofline(decode, models)]
+    return [*decode_ratios(decode, floors), *jax_gap(decode, floors), *costs(decode), *roofline(decode, models),
+            *matmul_ceiling(decode, models)]
 
 
 DERIVED_COLUMNS = {
     "decode-ratio/": "x_generate",
     "roofline/": "roofline_pct",
+    "matmul-ceiling/": "matmul_pct",
     "usd-per-mtok/": "usd_per_mtok",
     "jax-vs-fastest-pytorch/": "x_fastest_pytorch",
 }

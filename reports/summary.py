@@ -122,7 +122,9 @@ def _batched(rows: pd.DataFrame) -> str | None:
     for (way, context, n), scan in table.groupby(["way", "context", "max_new_tokens"], sort=True):
         rates = ", ".join(f"B={r.batch} {r.decode_median:.2f}" for _, r in scan.iterrows())
         best = scan.loc[scan.decode_median.astype(float).idxmax()]
-        gain = f" ({best.x_batch_1:.2f}x B=1 at B={best.batch})" if pd.notna(best.x_batch_1) else ""
+        shown = best.matmul_pct_shown
+        matmul = f", its products at {shown} of the bf16 matmul rate" if shown != "–" else ""
+        gain = f" ({best.x_batch_1:.2f}x B=1 at B={best.batch}{matmul})" if pd.notna(best.x_batch_1) else ""
         parts.append(f"**{way}** {rates} tok/s{gain} (context {context}, N={int(n)})")
     return f"Batched decode (every sequence's tokens a second): {'; '.join(parts)}. [→ decode]({DECODE})"
 

@@ -15,7 +15,8 @@ def decode_row(engine: str, config: str, batch: int, rate: float, verdict: str =
     return {"engine": engine, "engine_config": config, "model": "m", "device": "cpu", "context": 256,
             "max_new_tokens": 32, "dtype": "bfloat16", "batch": batch, "way_label": label,
             "decode": sampled([rate * 0.99, rate, rate * 1.01]), "decode_median": rate, "memory_peak": 3e9,
-            "roofline_pct_shown": "50.0 %", "usd_per_mtok_shown": "–", "verdict": verdict, "left_out": []}  # fmt: skip
+            "roofline_pct_shown": "50.0 %", "matmul_pct_shown": "9.0 %", "usd_per_mtok_shown": "–",
+            "verdict": verdict, "left_out": []}  # fmt: skip
 
 
 def test_a_row_per_batch_of_each_way_scanned_with_its_gain_over_its_own_batch_of_one():

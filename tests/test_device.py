@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from decodebench.config import HardwareConfig
 from decodebench.device import DeviceUnavailable, resolve_device, select_kind
 from tests.conftest import make_cfg
 
@@ -86,6 +87,27 @@ def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_pa
     older = {k: v for k, v in json.loads(Path(first["file"]).read_text()).items() if k != "copy"}
     Path(first["file"]).write_text(json.dumps(older | {"value": 1.0e6}))  # a file measured before the read was
     assert hardware.bandwidth(device, tmp_path, "s1")["value"] != 1.0e6, "measured again, read and copy"
+
+
+def test_the_bf16_matmul_rate_is_measured_beside_the_bandwidth_and_added_to_an_older_file(tmp_path):
+    from decodebench import hardware
+
+    device = resolve_device("cpu")
+    first = hardware.bandwidth(device, tmp_path, "s1")
+    matmul = first["matmul"]
+    assert matmul["unit"] == "GFLOP/s" and matmul["value"] == max(matmul["samples"]) and len(matmul["samples"]) == 10
+    assert "torch mm of bf16 [512, 1536] x [1536, 6144]" in matmul["method"]
+    older = {k: v for k, v in json.loads(Path(first["file"]).read_text()).items() if k != "matmul"}
+    Path(first["file"]).write_text(json.dumps(older | {"value": 1.0e6}))  # a sweep's file from before the matmul
+    again = hardware.bandwidth(device, tmp_path, "s1")
+    assert again["value"] == 1.0e6, "the sweep's read figure kept: every cell divides by the same bandwidth"
+    assert again["matmul"]["samples"] != matmul["samples"] and "matmul" in json.loads(Path(first["file"]).read_text())
+    block = hardware.resolve(HardwareConfig(name="cpu"), device, tmp_path, "s1")
+    assert block["peak_bf16_tflops"] == again["matmul"]["value"] / 1e3 and block["peak_source"] == "measured"
+    facts = hardware.resolve(HardwareConfig(name="x", memory_bandwidth_gb_s=800.0, peak_bf16_tflops=197.0), device,
+                             tmp_path, "s1")  # fmt: skip
+    assert (facts["peak_bf16_tflops"], facts["peak_source"], "bandwidth_measurement" in facts) == (
+        197.0, "facts file", False)  # fmt: skip
 
 
 def test_a_bandwidth_file_from_another_host_or_device_is_never_reused(tmp_path, monkeypatch):

@@ -217,6 +217,8 @@ def row(**values) -> pd.Series:
         "bandwidth_gb_s": 858.99,
         "bandwidth_note": None,
         "bandwidth_source": "facts file",
+        "peak_tflops": 197.0,
+        "peak_source": "facts file",
         "prompt_tokens": 19,
         "fingerprint": "env",
         "code": "",
@@ -287,6 +289,20 @@ def test_roofline_fraction_by_hand():
     )
     assert per_token == 4_564_472_320 and entries["bytes-per-token"].result == per_token
     assert entries["roofline"].result == pytest.approx(100 * 4_564_472_320 * 50.0 / 1e9 / 858.99)  # 26.57 %
+
+
+def test_matmul_ceiling_by_hand():
+    """Every token multiplies every linear and lm_head weight once (2 FLOP each), B tokens a step or one."""
+    models = {"evidence/runs/x.json": e2b_model_block()}
+    for batch, rate in ((1, 50.0), (8, 400.0)):
+        decode = pd.DataFrame([row(decode_median=rate, batch=batch, peak_tflops=1.0, peak_source="measured")])
+        (entry,) = arithmetic.matmul_ceiling(decode, models)
+        flop_per_token = 2 * (1_876_819_968 + 262144 * 1536)  # E2B's quantizable linears (notes 1.5) and lm_head
+        assert flop_per_token == 4_558_946_304
+        assert entry.result == pytest.approx(100 * 4_558_946_304 * rate / 1e12 / 1.0)  # 22.79 % and 182.4 %
+        assert entry.key.startswith("matmul-ceiling/ring/") and "measured for tpu-v5e-1" in entry.text()
+    no_peak = pd.DataFrame([row(peak_tflops=None)])
+    assert arithmetic.matmul_ceiling(no_peak, models) == [], "no figure without the device's rate"
 
 
 def test_published_data_loads_and_recomputes_the_articles():

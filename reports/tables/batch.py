@@ -1,6 +1,6 @@
 """The batch table (``batch.md.j2`` beside this file): each way measured at more than one batch (``experiment.batch``),
-a row per B with its aggregate rate, per-sequence rate, gain over its own B=1, memory, roofline and cost; and the
-peers served at the same concurrency (``experiment=load``) beside them."""
+a row per B with its aggregate rate, per-sequence rate, gain over its own B=1, memory, roofline, matmul ceiling and
+cost; and the peers served at the same concurrency (``experiment=load``) beside them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from reports.verdicts import VALID
 
 WAY = ["engine", "engine_config", "model", "device", "context", "max_new_tokens", "dtype"]
 BATCH_COLUMNS = ["way", "model", "device", "context", "max_new_tokens", "batch", "decode", "decode_median",
-                 "per_sequence", "x_batch_1", "memory_peak", "roofline_pct_shown", "usd_per_mtok_shown",
-                 "verdict"]  # fmt: skip
+                 "per_sequence", "x_batch_1", "memory_peak", "roofline_pct_shown", "matmul_pct_shown",
+                 "usd_per_mtok_shown", "verdict"]  # fmt: skip
 
 
 def without_batch(label: str) -> str:
@@ -25,7 +25,8 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
     verdict beside it: a peer whose parity fails is still the figure a reader compares with): the median aggregate
     rate with its interval (``decode``: every sequence's tokens a second), the per-sequence rate (aggregate / B: each
     sequence's (N-1)/(T_N - T_1)), ``x_batch_1`` the aggregate over the same way's at B=1 (None without one), peak
-    memory, and the roofline and USD/Mtok the arithmetic derived for the row (VALID rows only)."""
+    memory, and the roofline, the share of the bf16 matmul rate its products reach and USD/Mtok the arithmetic derived
+    for the row (VALID rows only)."""
     if derived.empty or not (derived.batch > 1).any():
         return pd.DataFrame(columns=BATCH_COLUMNS)
     rows = []
@@ -41,6 +42,7 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
                          "x_batch_1": r.decode_median / one.iloc[0] if not one.empty else None,
                          "memory_peak": r.memory_peak,
                          "roofline_pct_shown": r.roofline_pct_shown if r.verdict == VALID else "–",
+                         "matmul_pct_shown": r.matmul_pct_shown if r.verdict == VALID else "–",
                          "usd_per_mtok_shown": r.usd_per_mtok_shown if r.verdict == VALID else "–",
                          "verdict": r.verdict if r.verdict == VALID else _why(r)})  # fmt: skip
     return pd.DataFrame(rows, columns=BATCH_COLUMNS)

@@ -164,6 +164,8 @@ _COLUMNS = [
     "price_usd_per_hour",
     "bandwidth_gb_s",
     "bandwidth_source",
+    "peak_tflops",
+    "peak_source",
     "hardware",
 ]
 
@@ -298,5 +300,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "price_usd_per_hour": hw.get("price_usd_per_hour"),
         "bandwidth_gb_s": hw.get("memory_bandwidth_gb_s"),
         "bandwidth_source": hw.get("bandwidth_source"),
+        "peak_tflops": hw.get("peak_bf16_tflops"),
+        "peak_source": hw.get("peak_source") or ("facts file" if hw.get("peak_bf16_tflops") else None),
         "hardware": hw.get("name"),
     }

@@ -27,8 +27,9 @@ DECODE_COLUMNS = ["decode", "decode_values", "decode_median", "decode_low", "dec
                   "n", "phase", "phase_median", "first_call", "first_call_s", "load", "load_s", "files", "sweeps",
                   "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak",
                   "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour", "price_note", "bandwidth_gb_s",
-                  "bandwidth_note", "bandwidth_source", "hardware", "tables", "weights", "streamed", "streamed_values",
-                  "warm_1", "warm_n", "n_over_warm_n", "memory_with_cache", "method"]  # fmt: skip
+                  "bandwidth_note", "bandwidth_source", "peak_tflops", "peak_source", "hardware", "tables", "weights",
+                  "streamed", "streamed_values", "warm_1", "warm_n", "n_over_warm_n", "memory_with_cache",
+                  "method"]  # fmt: skip
 
 
 def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
@@ -82,6 +83,8 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
                 "bandwidth_gb_s": bandwidth,
                 "bandwidth_note": bandwidth_note,
                 "bandwidth_source": ", ".join(sorted({str(s) for s in used.bandwidth_source.dropna()})) or None,
+                "peak_tflops": _agreed(used, "peak_tflops", "TFLOP/s")[0],
+                "peak_source": ", ".join(sorted({str(s) for s in used.peak_source.dropna()})) or None,
                 "hardware": ", ".join(sorted({str(h) for h in used.hardware.dropna()})) or None,
                 "tables": last.tables,
                 "weights": last.weights,
