@@ -38,7 +38,7 @@ DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::
       __m512i pairs[Tiles];
       for (int t = 0; t < Tiles; ++t) {
         const c10::BFloat16* at = w + t * tile_words + j * kPairWords;
-        _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
+        prefetch(at + ahead);
         pairs[t] = _mm512_loadu_si512(at);
       }
 #pragma GCC unroll 8

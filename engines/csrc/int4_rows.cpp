@@ -60,7 +60,8 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
                          int64_t valid) {
   const __m512i table = _mm512_load_si512(kLevels.bits);
   const int64_t chunks = group / kChunk;
-  constexpr int Parts = kParts<Rows, Tiles>;
+  // a group's sums are scaled and added up at its end: more than four parts a row would add as often as they multiply
+  constexpr int Parts = std::min(4, kParts<Rows, Tiles>);
   constexpr int64_t ahead = kPrefetchBytes / sizeof(uint16_t);
   __m512 acc[Rows][Tiles];
   for (int r = 0; r < Rows; ++r)
@@ -73,7 +74,7 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
     for (int64_t c = 0; c < chunks; ++c, words += kWords) {
       __m512i packed[Tiles];
       for (int t = 0; t < Tiles; ++t) {
-        _mm_prefetch(reinterpret_cast<const char*>(words + t * tile_words + ahead), _MM_HINT_T0);
+        prefetch(words + t * tile_words + ahead);
         packed[t] = _mm512_loadu_si512(words + t * tile_words);
       }
       const int64_t k = k0 + c * kChunk;
