@@ -217,16 +217,18 @@ def pack_dense_linears(model: nn.Module) -> int:
     of the packed weight); returns how many. A linear with a bias (none in Gemma 4) keeps ``F.linear``, which adds it
     before the one rounding to the run's dtype."""
     linears = {id(m) for m in dense_linears(model) if m.bias is None}
-    tables = {m.weight.data_ptr(): (path, m) for path, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    for path, module in list(model.named_modules()):
-        if id(module) not in linears:
-            continue
-        packed = PackedLinear(module)
+    paths = [path for path, m in model.named_modules() if id(m) in linears]  # paths, not modules: none kept alive
+    tables = {m.weight.data_ptr(): path for path, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    for path in paths:
         parent, _, leaf = path.rpartition(".")
+        module = model.get_submodule(path)
+        packed = PackedLinear(module)
         setattr(model.get_submodule(parent), leaf, packed)
-        if (tied := tables.get(module.weight.data_ptr())) is not None:
-            table_path, table = tied
+        if (table_path := tables.pop(module.weight.data_ptr(), None)) is not None:
+            table = model.get_submodule(table_path)
             scale = getattr(table, "embed_scale", torch.tensor(1.0))
             table_parent, _, table_leaf = table_path.rpartition(".")
             setattr(model.get_submodule(table_parent), table_leaf, PackedEmbedding(packed, scale))
-    return len(linears)
+            del table
+        del module  # the last reference to the original weight: freed before the next one is packed
+    return len(paths)

@@ -4,6 +4,8 @@ fastest by default on a CPU and write the same tokens, and a setting an engine c
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,8 +108,11 @@ def test_packed_linears_give_f_linears_values_and_a_tied_table_is_held_once():
     model.mlp = nn.Linear(64, 40, bias=False, dtype=torch.bfloat16)
     model.biased = nn.Linear(64, 8, dtype=torch.bfloat16)  # keeps F.linear: it adds the bias before rounding
     ids, x = torch.tensor([[3, 99, 17]]), torch.randn(1, 3, 64, dtype=torch.bfloat16)
-    want = model.table(ids), model.head(x), model.mlp(x)
+    with torch.no_grad():  # no graph that would hold the weights
+        want = model.table(ids), model.head(x), model.mlp(x)
+    originals = [weakref.ref(model.mlp.weight), weakref.ref(model.head.weight)]
     assert one_row.pack_dense_linears(model) == 2
+    assert all(ref() is None for ref in originals), "each original weight freed once packed (the tied one too)"
     assert type(model.head) is PackedLinear and type(model.mlp) is PackedLinear and type(model.biased) is nn.Linear
     assert type(model.table) is PackedEmbedding and model.table.linear is model.head  # held once: the packed one
     got = model.table(ids), model.head(x), model.mlp(x)
