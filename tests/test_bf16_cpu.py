@@ -11,6 +11,7 @@ import torch
 
 from engines import bf16_cpu
 from tests.bench_int4 import SHAPES
+from tests.test_int4_cpu import assert_held_to_reference
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,14 +25,7 @@ def held_to_reference(out: int, inputs: int, rows: int, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out, inputs, generator=generator) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, inputs, generator=generator).to(torch.bfloat16)
-    got = bf16_cpu.rows(x, bf16_cpu.pack(weight), out).double()
-    reference = x.double() @ weight.double().T
-    magnitude = x.double().abs() @ weight.double().abs().T  # sum of |products|: what float32 sums may lose a part of
-    bound = reference.abs() * 2.0**-8 + magnitude * inputs * 2.0**-24
-    assert got.shape == (rows, out)
-    assert ((got - reference).abs() <= bound).all(), (got - reference).abs().max()
-    rounded = reference.to(torch.bfloat16).double()
-    assert (got == rounded).double().mean() > 0.99, "most outputs are the float64 value rounded to bf16 once"
+    assert_held_to_reference(bf16_cpu.rows(x, bf16_cpu.pack(weight), out), x, weight)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] * s[1] <= 1 << 26], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -20,21 +20,26 @@ def _runs_here():
         pytest.skip(f"{int4_cpu.OP}: {reason}")
 
 
+def assert_held_to_reference(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``got`` [rows, out] (bf16, from a kernel) against x @ weight.T in float64 (``weight`` the exact weight)."""
+    reference = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T  # sum of |products|: what float32 sums may lose a part of
+    bound = reference.abs() * 2.0**-8 + magnitude * x.shape[1] * 2.0**-24
+    got = got.double()
+    assert got.shape == reference.shape
+    assert ((got - reference).abs() <= bound).all(), (got - reference).abs().max()
+    rounded = reference.to(torch.bfloat16).double()
+    assert (got == rounded).double().mean() > 0.99, "most outputs are the float64 value rounded to bf16 once"
+
+
 def held_to_reference(out: int, inputs: int, group: int, scale_dtype: torch.dtype, rows: int, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     levels = torch.randint(-8, 8, (out, inputs), generator=generator, dtype=torch.int8)
     scale = (torch.rand(out, inputs // group, generator=generator) * 0.02 + 1e-3).to(scale_dtype)
     x = torch.randn(rows, inputs, generator=generator).to(torch.bfloat16)
     words, scales = int4_cpu.pack(levels, scale)
-    got = int4_cpu.rows(x, words, scales, group, out).double()
     weight = (levels.double().view(out, -1, group) * scale.double()[..., None]).view(out, inputs)
-    reference = x.double() @ weight.T
-    magnitude = x.double().abs() @ weight.abs().T  # the sum of |products|: what float32 sums may lose a part of
-    bound = reference.abs() * 2.0**-8 + magnitude * inputs * 2.0**-24
-    assert got.shape == (rows, out)
-    assert ((got - reference).abs() <= bound).all(), (got - reference).abs().max()
-    rounded = reference.to(torch.bfloat16).double()
-    assert (got == rounded).double().mean() > 0.99, "most outputs are the float64 value rounded to bf16 once"
+    assert_held_to_reference(int4_cpu.rows(x, words, scales, group, out), x, weight)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] * s[1] <= 1 << 26], ids=lambda s: f"{s[0]}x{s[1]}")

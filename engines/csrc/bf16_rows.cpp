@@ -8,7 +8,6 @@
 // Rows of x are taken eight at a time over two tiles side by side (16 outputs by K inputs each, 48-192 KiB on E2B's
 // shapes): the first eight read them from memory, the rest from the core's cache.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "rows.h"
@@ -72,20 +71,9 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t n = rows.size(0), tile_words = in * kTile;
-  const int64_t passes = (tiles + kTilesAtOnce - 1) / kTilesAtOnce;
-  at::parallel_for(0, passes, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      const int64_t t = p * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
-      for (int64_t r = 0; r < n; r += kRows) {
-        with_rows(std::min(kRows, n - r), [&]<int R>() {
-          over_tiles<R>(t, end, [&]<int T>(int64_t u) {
-            const int64_t valid = std::min(kTile, out_features - (u + T - 1) * kTile);
-            tile_rows<R, T>(wp + u * tile_words, tile_words, xp + r * in, in, in, yp + r * out_features + u * kTile,
-                            out_features, valid);
-          });
-        });
-      }
-    }
+  each_pass<kRows>(tiles, n, out_features, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
+    tile_rows<R, T>(wp + u * tile_words, tile_words, xp + r * in, in, in, yp + r * out_features + u * kTile,
+                    out_features, valid);
   });
   return y;
 }

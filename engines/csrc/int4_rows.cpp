@@ -13,7 +13,6 @@
 // Rows of x are taken four at a time over two tiles side by side (16 outputs by K inputs each, at most 56 KiB on
 // E2B's shapes): the first four read them from memory, the rest from the core's cache.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -111,20 +110,9 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
   const auto* sp = scales.data_ptr<Scale>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t tile_words = in / kChunk * kWords, tile_scales = in / group * kTile;
-  const int64_t passes = (tiles + kTilesAtOnce - 1) / kTilesAtOnce;
-  at::parallel_for(0, passes, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      const int64_t t = p * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
-      for (int64_t r = 0; r < rows; r += kRows) {
-        with_rows(std::min(kRows, rows - r), [&]<int R>() {
-          over_tiles<R>(t, end, [&]<int T>(int64_t u) {
-            const int64_t valid = std::min(kTile, out - (u + T - 1) * kTile);
-            tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, in,
-                            group, yp + r * out + u * kTile, out, valid);
-          });
-        });
-      }
-    }
+  each_pass<kRows>(tiles, rows, out, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
+    tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, in, group,
+                    yp + r * out + u * kTile, out, valid);
   });
 }
 

@@ -3,10 +3,12 @@
 // broadcast to every lane (the second operand of vdpbf16ps).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -81,6 +83,26 @@ inline void with_rows(int64_t rows, Fn&& fn) {
     case 2: fn.template operator()<2>(); break;
     default: fn.template operator()<1>();
   }
+}
+
+// fn.template operator()<R, T>(u, r, valid) for every pass of a product with `out` outputs in `tiles` tiles over
+// `rows` rows: R rows (at most MaxRows) from row r times T tiles from tile u, `valid` outputs of its last tile. The
+// threads share the tiles kTilesAtOnce at a time, each taking every row over them.
+template <int64_t MaxRows, typename Fn>
+inline void each_pass(int64_t tiles, int64_t rows, int64_t out, Fn&& fn) {
+  const int64_t blocks = (tiles + kTilesAtOnce - 1) / kTilesAtOnce;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t t = b * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
+      for (int64_t r = 0; r < rows; r += MaxRows) {
+        with_rows(std::min(MaxRows, rows - r), [&]<int R>() {
+          over_tiles<R>(t, end, [&]<int T>(int64_t u) {
+            fn.template operator()<R, T>(u, r, std::min(kTile, out - (u + T - 1) * kTile));
+          });
+        });
+      }
+    }
+  });
 }
 
 }  // namespace decodebench
