@@ -7,9 +7,9 @@ in float32 and rounding each output to bf16 once (what ``F.linear`` and ``torch.
 the float32 sums). ``row_of`` reads rows of the weight back from the packed layout: a tied embedding looks its
 tokens up there, so the table is held once.
 
-On a 2-core AMD EPYC (AVX-512 BF16, no AMX), one row against ``F.linear`` (oneDNN) and ``torch.mv``, warm calls
-(``make bench-int4`` times them over cold copies): 80-105 GB/s against 50-57 and 30-44 on E2B's MLP and attention
-shapes, 36 against 30 and 22 on ``lm_head``; at eight rows about 0.3 TFLOP/s, ``F.linear``'s rate or better.
+On a 2-core AMD EPYC (AVX-512 BF16, no AMX), one row of each E2B shape over cold copies (``make bench-int4``,
+medians): 27-42 GB/s of the weight, against ``F.linear``'s 19-32 and ``torch.mv``'s 10-23; eight rows on cached shapes
+about 0.5 TFLOP/s, at or above ``F.linear``; a prompt piece of 64-256 rows about half oneDNN's GEMM rate.
 """
 
 from __future__ import annotations
