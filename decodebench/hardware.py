@@ -68,16 +68,17 @@ def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, An
 
 
 def resolve(hardware_cfg: HardwareConfig, device: Device, cache_dir: str | Path, sweep: str) -> dict[str, Any]:
-    """The hardware block of an evidence file: the facts, and the sweep's bandwidth (and bf16 matmul rate, as
-    ``peak_bf16_tflops``) where none is given."""
+    """The hardware block of an evidence file: the facts, and the sweep's bandwidth (``bandwidth_measurement``) and
+    bf16 matmul rate (as ``peak_bf16_tflops``, ``matmul_measurement``) where the facts give none."""
     block = facts(hardware_cfg, device)
     block["bandwidth_source"] = "facts file" if block["memory_bandwidth_gb_s"] else "measured"
     block["peak_source"] = "facts file" if block["peak_bf16_tflops"] else "measured"
     if not block["memory_bandwidth_gb_s"] or not block["peak_bf16_tflops"]:
         measured = bandwidth(device, cache_dir, sweep)
-        block["bandwidth_measurement"] = measured
-        if not block["memory_bandwidth_gb_s"]:
+        if not block["memory_bandwidth_gb_s"]:  # only a figure in use is recorded as its measurement
             block["memory_bandwidth_gb_s"] = measured["value"]
+            block["bandwidth_measurement"] = measured
         if not block["peak_bf16_tflops"]:
             block["peak_bf16_tflops"] = measured["matmul"]["value"] / 1e3
+            block["matmul_measurement"] = {**measured["matmul"], "file": measured["file"]}
     return block

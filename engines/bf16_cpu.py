@@ -22,11 +22,12 @@ OP = "decodebench_bf16.bf16_rows"  # the operator's name as it is dispatched (an
 TILE = 16  # outputs per tile (csrc/rows.h)
 
 
-def unsupported(dtype: torch.dtype, in_features: int) -> str | None:
-    """Why ``bf16_rows`` cannot compute this weight here, or None."""
+def unsupported(dtype: torch.dtype, in_features: int | None = None) -> str | None:
+    """Why ``bf16_rows`` cannot compute a weight of ``in_features`` inputs (any, when None) in ``dtype`` here, or
+    None."""
     if dtype != torch.bfloat16:
         return f"it computes bf16 weights and activations, this run's are {dtype}"
-    if in_features % 8:
+    if in_features is not None and in_features % 8:
         return f"it takes a multiple of 8 inputs, this weight has {in_features}"
     if not built():
         return "it was not built here, or this CPU lacks AVX-512 BF16"

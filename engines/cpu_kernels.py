@@ -11,6 +11,7 @@ compiler) or run (the CPU lacks AVX-512 BF16) the engines use aten's kernels and
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,15 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp")
 BUILD = Path(__file__).parents[1] / "build" / f"cpu_kernels-torch{torch.__version__.replace('+', '-')}"
+
+
+def source_digest() -> str:
+    """The kernels' sources, hashed: what a measurement cached across runs (``engine.one_row=auto``) is keyed by, so
+    a changed kernel is timed again."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, CSRC / "rows.h"):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

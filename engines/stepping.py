@@ -101,7 +101,7 @@ class SteppingEngine(SteppedEngine):
         if run_cfg.engine.one_row == OneRow.rows:
             if device.kind != "cpu":
                 return f"engine.one_row=rows is a CPU kernel ({bf16_cpu.OP}); this device is {device.kind}"
-            if reason := bf16_cpu.unsupported(run_cfg.dtype.torch, 8):
+            if reason := bf16_cpu.unsupported(run_cfg.dtype.torch):
                 return f"engine.one_row=rows: {bf16_cpu.OP} cannot run here: {reason}"
         return super().unsupported_reason(device, run_cfg)
 

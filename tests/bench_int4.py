@@ -57,12 +57,11 @@ def test_linear(benchmark, device, shape, weights):
         pytest.skip(reason)
     if weights == "int4-aten" and device.kind != "cpu":
         pytest.skip("aten's CPU int4 kernel is the cpu's alternative only")
-    if weights == "dense-rows" and (reason := one_row.rows_unsupported([torch.empty(1, shape[1], dtype=torch.bfloat16,
-                                                                                    device=device.torch_device)])):
-        pytest.skip(reason)  # fmt: skip
     packed, dense = packed_weight(*shape)
     x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device.torch_device)
     w = dense.to(torch.bfloat16).to(device.torch_device)
+    if weights == "dense-rows" and (reason := one_row.rows_unsupported([w])):
+        pytest.skip(reason)
     kernel = int4.KERNELS["cpu"] if weights == "int4-aten" else None
     if weights.startswith("int4"):
         make = lambda: int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)  # noqa: E731
@@ -89,8 +88,7 @@ def test_linear(benchmark, device, shape, weights):
         device.sync()
         return y
 
-    kernel_name = getattr(layers[0], "kernel", one_row.bf16_cpu.OP) if layers else KERNELS[weights]
-    benchmark.extra_info.update(device=device.name, kernel=kernel_name,
+    benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights],
                                 bytes=held, copies=copies, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
     reference = F.linear(x.float(), dense.to(device.torch_device))

@@ -16,7 +16,7 @@ from tests.test_int4_cpu import assert_held_to_reference
 
 @pytest.fixture(scope="module", autouse=True)
 def _runs_here():
-    reason = bf16_cpu.unsupported(torch.bfloat16, 64)
+    reason = bf16_cpu.unsupported(torch.bfloat16)
     if reason:
         pytest.skip(f"{bf16_cpu.OP}: {reason}")
 

@@ -104,6 +104,10 @@ def test_the_bf16_matmul_rate_is_measured_beside_the_bandwidth_and_added_to_an_o
     assert again["matmul"]["samples"] != matmul["samples"] and "matmul" in json.loads(Path(first["file"]).read_text())
     block = hardware.resolve(HardwareConfig(name="cpu"), device, tmp_path, "s1")
     assert block["peak_bf16_tflops"] == again["matmul"]["value"] / 1e3 and block["peak_source"] == "measured"
+    assert block["matmul_measurement"]["samples"] == again["matmul"]["samples"]
+    bandwidth_given = hardware.resolve(HardwareConfig(name="x", memory_bandwidth_gb_s=800.0), device, tmp_path, "s1")
+    assert "bandwidth_measurement" not in bandwidth_given, "a measured read it does not use is not recorded as its own"
+    assert bandwidth_given["memory_bandwidth_gb_s"] == 800.0 and "matmul_measurement" in bandwidth_given
     facts = hardware.resolve(HardwareConfig(name="x", memory_bandwidth_gb_s=800.0, peak_bf16_tflops=197.0), device,
                              tmp_path, "s1")  # fmt: skip
     assert (facts["peak_bf16_tflops"], facts["peak_source"], "bandwidth_measurement" in facts) == (

@@ -18,13 +18,13 @@ using namespace decodebench;
 
 constexpr int64_t kPairWords = 32;  // bf16 values in a pair of inputs of a tile (64 bytes)
 
-constexpr int64_t kRows = 8;  // rows of x computed per pass over a tile
+constexpr int64_t kRows = 8;  // rows of x computed per pass over two tiles
 
-// `Rows` rows of x (each `ldx` apart) times `Tiles` adjacent tiles (each `tile_words` apart): 16 outputs a tile of
+// `Rows` rows of x (each `in` apart) times `Tiles` adjacent tiles (each `tile_words` apart): 16 outputs a tile of
 // each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last tile may be partial).
 template <int Rows, int Tiles>
-DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::BFloat16* x, int64_t ldx, int64_t in,
-                         c10::BFloat16* y, int64_t ldy, int64_t valid) {
+DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::BFloat16* x, int64_t in, c10::BFloat16* y,
+                         int64_t ldy, int64_t valid) {
   constexpr int Parts = kParts<Rows, Tiles>;
   constexpr int64_t ahead = kPrefetchBytes / sizeof(c10::BFloat16);
   __m512 part[Rows][Tiles][Parts];
@@ -42,7 +42,7 @@ DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::
       }
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
-        const __m512bh xs = (__m512bh)pair_of(x + r * ldx + k + 2 * j);
+        const __m512bh xs = (__m512bh)pair_of(x + r * in + k + 2 * j);
         for (int t = 0; t < Tiles; ++t)
           part[r][t][j % Parts] = _mm512_dpbf16_ps(part[r][t][j % Parts], (__m512bh)pairs[t], xs);
       }
@@ -72,8 +72,8 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t n = rows.size(0), tile_words = in * kTile;
   each_pass<kRows>(tiles, n, out_features, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
-    tile_rows<R, T>(wp + u * tile_words, tile_words, xp + r * in, in, in, yp + r * out_features + u * kTile,
-                    out_features, valid);
+    tile_rows<R, T>(wp + u * tile_words, tile_words, xp + r * in, in, yp + r * out_features + u * kTile, out_features,
+                    valid);
   });
   return y;
 }

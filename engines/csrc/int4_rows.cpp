@@ -46,16 +46,14 @@ DB_TARGET inline __m512 load_scales(const Scale* s) {
   }
 }
 
-// `rows` rows of x (each `ldx` apart) times one tile: 16 outputs of each row written to y (`ldy` apart),
-// the first `valid` of them (a model's last tile may be partial).
 constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles (eight would leave too few registers)
 
-// `Rows` rows of x (each `ldx` apart) times `Tiles` adjacent tiles (each `tile_words` and `tile_scales` apart): 16
+// `Rows` rows of x (each `in` apart) times `Tiles` adjacent tiles (each `tile_words` and `tile_scales` apart): 16
 // outputs a tile of each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last
 // tile may be partial).
 template <int Rows, int Tiles, typename Scale>
 DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale* scales, int64_t tile_scales,
-                         const c10::BFloat16* x, int64_t ldx, int64_t in, int64_t group, c10::BFloat16* y, int64_t ldy,
+                         const c10::BFloat16* x, int64_t in, int64_t group, c10::BFloat16* y, int64_t ldy,
                          int64_t valid) {
   const __m512i table = _mm512_load_si512(kLevels.bits);
   const int64_t chunks = group / kChunk;
@@ -83,7 +81,7 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
         for (int t = 0; t < Tiles; ++t) w[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed[t], 4 * j), table);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
-          const __m512bh xs = (__m512bh)pair_of(x + r * ldx + k + 2 * j);
+          const __m512bh xs = (__m512bh)pair_of(x + r * in + k + 2 * j);
           for (int t = 0; t < Tiles; ++t)
             part[r][t][j % Parts] = _mm512_dpbf16_ps(part[r][t][j % Parts], (__m512bh)w[t], xs);
         }
@@ -111,7 +109,7 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t tile_words = in / kChunk * kWords, tile_scales = in / group * kTile;
   each_pass<kRows>(tiles, rows, out, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
-    tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, in, group,
+    tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, group,
                     yp + r * out + u * kTile, out, valid);
   });
 }

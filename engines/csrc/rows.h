@@ -1,6 +1,7 @@
 // What the project's CPU row kernels (int4_rows.cpp, bf16_rows.cpp) share: the instruction set they are compiled
-// for, the check that this CPU has it, the tile of outputs a float32 vector holds, and a pair of bf16 inputs
-// broadcast to every lane (the second operand of vdpbf16ps).
+// for, the check that this CPU has it, the tile of outputs a float32 vector holds, the prefetch, a pair of bf16 inputs
+// broadcast to every lane (the second operand of vdpbf16ps), the store of a tile's sums, and the passes over tiles
+// and rows that the threads share (each_pass).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -47,7 +48,7 @@ DB_TARGET inline void store_tile(c10::BFloat16* y, __m512 sums, int64_t valid) {
   _mm256_mask_storeu_epi16(y, lanes, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
-// Independent sums each output lane of a pass over `Rows` rows and `Tiles` tiles keeps, so that some eight
+// Independent sums each output lane of a pass over `Rows` rows and `Tiles` tiles keeps, so that some sixteen
 // vdpbf16ps are always in flight.
 template <int Rows, int Tiles>
 constexpr int kParts = Rows * Tiles >= 16 ? 1 : (16 + Rows * Tiles - 1) / (Rows * Tiles);
