@@ -7,9 +7,10 @@ in float32 and rounding each output to bf16 once (what ``F.linear`` and ``torch.
 the float32 sums). ``row_of`` reads rows of the weight back from the packed layout: a tied embedding looks its
 tokens up there, so the table is held once.
 
-On a 2-core AMD EPYC (AVX-512 BF16, no AMX), one row of each E2B shape over cold copies (``make bench-int4``,
-medians): 27-42 GB/s of the weight, against ``F.linear``'s 19-32 and ``torch.mv``'s 10-23; eight rows on cached shapes
-about 0.5 TFLOP/s, at or above ``F.linear``; a prompt piece of 64-256 rows about half oneDNN's GEMM rate.
+On a 2-core AMD EPYC (Zen 5, AVX-512 BF16, no AMX), both cores sharing the tiles, one row of each E2B shape over
+cold copies (``make bench-int4``, medians): 30-73 GB/s of the weight (67-73 on the MLP shapes, 53 on ``lm_head``),
+against ``F.linear``'s 13-32 and ``torch.mv``'s 11-23; from the caches, eight rows 0.70-0.91 TFLOP/s and 64 rows
+0.97-1.05, where oneDNN's GEMM (``F.linear``) reaches 0.77-0.90 at 64.
 """
 
 from __future__ import annotations

@@ -5,13 +5,12 @@ A decode step multiplies one row (or a batch's few) by every weight, so its spee
 weights are read. ``aten._weight_int4pack_mm_for_cpu`` read the 4-bit levels of a one-row product at 17.9 GB/s
 against 26.6 for ``torch.mv`` on the bf16 weight on a 2-core Xeon, and needs float16 scales split into two bf16 parts
 (two calls); this operator reads each packed byte once, front to back, the scales as stored, and turns levels into
-bf16 by a table lookup in registers. On a 2-core AMD EPYC (streaming read about 50 GB/s) one row of lm_head read
-46 GB/s at best against aten's 41-43 (fastest of 20 calls); ``make bench-int4``'s medians over cold copies put it
-at 13-43 GB/s shape by shape and aten's at 12-47, aten ahead by 3-17% on all but two shapes: it is not yet the read
-ceiling the issue asks for. From four rows on it is bound neither by memory nor by the cores' peak: about
-0.5 TFLOP/s over two cores of that EPYC at four and eight rows, where oneDNN's bf16 GEMM reaches 0.9 with 256 rows
-(``decodebench.device.measure_matmul``); its inner loop (a broadcast pair of inputs for every two vdpbf16ps, a table
-lookup for every level vector) is what sets it.
+bf16 by a table lookup in registers. On a 2-core AMD EPYC (Zen 5), both cores sharing the tiles, ``make
+bench-int4``'s medians over cold copies put one row at 14-53 GB/s of the held weight shape by shape (46-50 on the
+MLP shapes, 53 on lm_head) against aten's 12-45: ahead on every shape, and below the 67-73 GB/s the bf16 kernel
+reads on the same shapes, so at one row the level lookups, not memory, set its rate. Eight rows of an MLP shape
+from the caches run at 0.85-0.91 TFLOP/s, 64 rows at 0.97-0.98 (oneDNN's bf16 GEMM: 0.85-0.92 at 64). Every figure
+measured before the library was built with OpenMP (``engines.cpu_kernels``) was one core's.
 
 ``pack`` lays a W4A16 weight out for it once, at load: tiles of 16 outputs, each 8 inputs of a tile in 64 bytes
 (the layout is described in the C++ file), the checkpoint's scales kept in their own dtype, tile by tile. ``rows``

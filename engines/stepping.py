@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import bf16_cpu, int4, one_row
+from engines import bf16_cpu, cpu_kernels, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.steps import SteppedEngine
@@ -227,6 +227,7 @@ class SteppingEngine(SteppedEngine):
             "one_row": str(self.one_row_choice.one_row if self.row_linears else OneRow.linear),
             "one_row_linears": self.row_linears,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
+            "cpu_kernel_threads": cpu_kernels.threads() if self.ctx.device.kind == "cpu" else None,
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import bf16_cpu
+from engines import bf16_cpu, cpu_kernels
 from tests.bench_int4 import SHAPES
 from tests.test_int4_cpu import assert_held_to_reference
 
@@ -60,3 +60,21 @@ def test_bad_operands_are_refused_by_name():
         bf16_cpu.rows(torch.zeros(1, 60, dtype=torch.bfloat16), packed, 16)
     assert "multiple of 8" in bf16_cpu.unsupported(torch.bfloat16, 60)
     assert "float32" in bf16_cpu.unsupported(torch.float32, 64)
+
+
+def test_a_product_is_shared_among_torchs_threads_with_the_same_outputs():
+    """Built with OpenMP, the kernels' tiles are shared among torch's threads (without it every product ran on one
+    core); a tile is one thread's whole, so the outputs are the same bits on one thread or two."""
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(1000, 1536, generator=generator) * 0.05).to(torch.bfloat16)
+    x = torch.randn(5, 1536, generator=generator).to(torch.bfloat16)
+    packed, before = bf16_cpu.pack(weight), torch.get_num_threads()
+    try:
+        outputs = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert cpu_kernels.threads() == threads
+            outputs[threads] = bf16_cpu.rows(x, packed, 1000)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[1], outputs[2])

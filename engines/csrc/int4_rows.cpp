@@ -145,6 +145,7 @@ bool supported() { return cpu_has_kernels(); }
 TORCH_LIBRARY(decodebench_int4, m) {
   m.def("int4_rows(Tensor x, Tensor words, Tensor scales, int group, int out_features) -> Tensor");
   m.def("supported() -> bool", &supported);
+  m.def("threads() -> int", &threads_used);
 }
 
 TORCH_LIBRARY_IMPL(decodebench_int4, CPU, m) { m.impl("int4_rows", &int4_rows); }

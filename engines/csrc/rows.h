@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -17,7 +18,8 @@ namespace decodebench {
 
 constexpr int64_t kTile = 16;  // outputs in a tile: one float32 lane each
 // Bytes ahead of the ones being read that each 64 bytes ask the cache for (16 KiB), with the non-temporal hint: the
-// weights are read once a step and should not push anything else out of the caches. The hardware prefetcher alone
+// weights are read once a step and should not push anything else out of the caches. Timed on one core (the library
+// was then built without OpenMP, see engines/cpu_kernels.py): the hardware prefetcher alone
 // left a one-row int4 product over lm_head (226 MB) at 31-34 GB/s on a 2-core AMD EPYC whose streaming read is
 // ~50 GB/s; 1, 4, 8, 16 and 32 KiB ahead (_MM_HINT_T0) gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there. One bf16
 // row over 30 cold copies of a layer's MLP weights read 32-39 GB/s with _MM_HINT_T0 and 40-44 with _MM_HINT_NTA
@@ -55,8 +57,9 @@ constexpr int kParts = Rows * Tiles >= 16 ? 1 : (16 + Rows * Tiles - 1) / (Rows 
 
 // Tiles a pass of four rows or more reads side by side: each broadcast pair of a row's inputs then feeds two
 // vdpbf16ps instead of one. With one tile and eight sums in flight, passes of four and eight rows stayed near 0.35-0.39
-// TFLOP/s on a 2-core AMD EPYC, where oneDNN's bf16 GEMM reaches 0.9 with 256 rows; two tiles and sixteen sums gave
-// 0.45-0.5. A pass of fewer rows is bound by memory and reads one tile at a time (one stream a thread).
+// TFLOP/s on one core of a 2-core AMD EPYC (Zen 5: two vdpbf16ps a cycle, ~0.53 TFLOP/s a core); two tiles and
+// sixteen sums gave 0.45-0.5, that core's peak. A pass of fewer rows is bound by memory and reads one tile at a time
+// (one stream a thread).
 constexpr int64_t kTilesAtOnce = 2;
 
 // fn.template operator()<T>(u) over the tiles [t, end) (at most kTilesAtOnce): all at once for passes of four rows
@@ -104,6 +107,15 @@ inline void each_pass(int64_t tiles, int64_t rows, int64_t out, Fn&& fn) {
       }
     }
   });
+}
+
+// The threads each_pass's parallel_for runs on when it has 64 blocks to share: the library's check that it was built
+// with OpenMP (without it, ATen's inline parallel_for runs every block on the calling thread, and the kernels read
+// the weights with one core whatever torch's thread count).
+inline int64_t threads_used() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
 }
 
 }  // namespace decodebench
