@@ -283,6 +283,7 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
     device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
     record.environment = capture(device)
     record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
+    around = {"before": hardware.read_now(device)} if record.hardware["bandwidth_source"] == "measured" else None
     contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
     try:
         if engine_cls is None:
@@ -299,6 +300,8 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
             keep(record, result)
     finally:
         record.environment["contention"] = contention.measure()
+    if around is not None:  # the read before and after this cell, beside the sweep's (reports/verdicts.py)
+        record.hardware["bandwidth_at_cell"] = {**around, "after": hardware.read_now(device), "unit": "GB/s"}
 
 
 def keep(record: evidence.Record, result: Result) -> None:

@@ -25,6 +25,7 @@ from decodebench.device import Device, measure_bandwidth, measure_matmul
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 KNOWN_GPUS = {"H200": "nvidia-h200"}
 BANDWIDTH_COPIES = 10
+CELL_READS = 3  # streaming reads before and after each cell (best of): is the machine's bandwidth still the sweep's?
 
 
 def auto_name(device: Device) -> str:
@@ -82,3 +83,11 @@ def resolve(hardware_cfg: HardwareConfig, device: Device, cache_dir: str | Path,
             block["peak_bf16_tflops"] = measured["matmul"]["value"] / 1e3
             block["matmul_measurement"] = {**measured["matmul"], "file": measured["file"]}
     return block
+
+
+def read_now(device: Device) -> dict[str, Any]:
+    """The streaming read figure now (``measure_bandwidth``'s read, best of ``CELL_READS``), in GB/s: taken before
+    and after each cell whose roofline divides by the sweep's measured figure. A shared host's bandwidth moves (the
+    2-core AMD EPYC read 84 GB/s one hour and 46-50 the next), so a cell records what the machine read around it."""
+    measured = measure_bandwidth(device, repeats=CELL_READS)
+    return {"value": measured["value"], "samples": measured["samples"]}

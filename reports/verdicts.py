@@ -21,6 +21,10 @@ And for a decode-rate cell (experiment ``decode`` or ``default``):
     the median rate must not exceed the measured memory bandwidth (``hardware.memory_bandwidth_gb_s``);
 (e) it has a rate: at least one decode_tok_s sample.
 
+A note, not a rule: where the machine's streaming read before or after a cell (``hardware.bandwidth_at_cell``) lies
+more than ``BANDWIDTH_MOVED`` from the sweep's figure that its roofline divides by, the note gives the three figures: on
+a shared host the bandwidth moves, and a cell's roofline share and its ratio to cells run at another time move with it.
+
 Headline tables pool only VALID cells (``reports.tables.decode``).
 """
 
@@ -39,6 +43,7 @@ VALID, INVALID, FAILED, SKIPPED = "VALID", "INVALID", "FAILED", "SKIPPED"
 NO_PARITY = "no parity check for this engine, checkpoint, dtype and settings"
 PARITY_KEY = ["engine", "engine_config", "checkpoint", "dtype"]  # what a parity cell must share with a decode cell
 UNTIMED = "not timed"  # what an experiment that times nothing records as its timers (parity, diagnose)
+BANDWIDTH_MOVED = 0.2  # a cell's read this far from the sweep's figure (either way) gets a note
 Finding = tuple[str | None, str | None]  # a rule's outcome: (what breaks it, with its figure; a note), either None
 
 
@@ -80,7 +85,7 @@ def _judge(cell: pd.Series, record: dict[str, Any], checked: pd.DataFrame) -> Ve
     if cell.experiment == "parity" and cell.parity_verdict == "fail":  # a parity check that failed is no pass
         findings.append((f"parity failed ({cell.parity_bounds})", None))
     if cell.experiment in DECODE_EXPERIMENTS:
-        findings += [_parity(cell, checked), _ceiling(cell, record.get("model") or {})]
+        findings += [_parity(cell, checked), _ceiling(cell, record.get("model") or {}), _bandwidth_moved(cell)]
     broken = tuple(b for b, _ in findings if b)
     return Verdict(cell.file, INVALID if broken else VALID, broken, tuple(n for _, n in findings if n))
 
@@ -141,6 +146,19 @@ def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
         return None, None
     return (f"rate above the bandwidth ceiling: {read.total:,.0f} B/token x {rate:.4g} tok/s = {need:.4g} GB/s "
             f"> measured bandwidth {bandwidth:.4g} GB/s ({cell.bandwidth_source})"), None  # fmt: skip
+
+
+def _bandwidth_moved(cell: pd.Series) -> Finding:
+    """The note on a cell whose read before or after it lies more than ``BANDWIDTH_MOVED`` from the sweep's figure."""
+    around, sweep = cell.get("bandwidth_at_cell"), cell.bandwidth_gb_s
+    if not isinstance(around, dict) or sweep is None or pd.isna(sweep):
+        return None, None
+    reads = {when: around[when]["value"] for when in ("before", "after")}
+    if all(abs(read / sweep - 1) <= BANDWIDTH_MOVED for read in reads.values()):
+        return None, None
+    return None, (f"the machine's read bandwidth moved: {reads['before']:.3g} GB/s before this cell and "
+                  f"{reads['after']:.3g} after, the sweep's figure {sweep:.3g} (its roofline share and ratios to "
+                  "cells of other times move with it)")  # fmt: skip
 
 
 def table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:

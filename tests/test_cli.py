@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 import runner
-from decodebench import evidence
+from decodebench import evidence, hardware
 from engines.generate import GenerateEngine
 from runner import run_cell
 from tests.conftest import REPO
@@ -43,6 +43,9 @@ def test_ok_cell_writes_valid_evidence(cell_cfg, tiny, tmp_path):
     assert on_disk["model"]["synthetic"] is True and on_disk["model"]["kind"] == "synthetic"
     assert on_disk["environment"]["packages"]["torch"]
     assert on_disk["hardware"]["bandwidth_source"] == "measured"
+    around = on_disk["hardware"]["bandwidth_at_cell"]  # the machine's read before and after the cell, each read once
+    assert [len(around[when]["samples"]) for when in ("before", "after")] == [hardware.CELL_READS] * 2
+    assert all(around[when]["value"] == max(around[when]["samples"]) for when in ("before", "after"))
     assert not list((tmp_path / "runs").rglob("*.tmp"))
 
 

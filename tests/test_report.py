@@ -444,6 +444,7 @@ def cell_record(
     git_sha: str = "a" * 40,
     recall: list | None = None,
     batch: int | None = None,
+    around: tuple[float, float] | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
@@ -476,6 +477,8 @@ def cell_record(
         outputs["recall"] = recall
     hardware = {"name": "cpu", "memory_bandwidth_gb_s": bandwidth, "bandwidth_source": "measured",
                 "price_usd_per_hour": price}  # fmt: skip
+    if around is not None:  # the machine's read before and after the cell (runner.measure)
+        hardware["bandwidth_at_cell"] = {"before": {"value": around[0]}, "after": {"value": around[1]}, "unit": "GB/s"}
     name = "-".join(str(p) for p in (engine, experiment, dtype, *sorted((settings or {}).items()), replica) if p)
     record = evidence.Record(
         cell=name.replace(" ", "").replace("'", "").replace(",", "=").replace("(", "").replace(")", ""),
@@ -523,6 +526,19 @@ def test_the_bandwidth_ceiling_of_a_batch_counts_its_linears_once_for_its_tokens
     decode = by_engine(every)["ring-decode-bfloat16"]
     assert decode.valid is valid, decode.text()
     assert valid or "rate above the bandwidth ceiling: 1,620 B/token" in decode.text()
+
+
+@pytest.mark.parametrize(("around", "moved"), [((85.0, 118.0), False), ((79.0, 100.0), True), ((100.0, 121.0), True)])
+def test_a_cell_whose_read_bandwidth_moved_from_the_sweeps_is_noted_with_the_figures(tmp_path, around, moved):
+    """Within 20% of the sweep's 100 GB/s before and after: nothing to say; beyond it either way: a note with the
+    three figures (not a broken rule: the cell stays VALID)."""
+    write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring", around=around))
+    decode = by_engine(judged(tmp_path)[1])["ring-decode-bfloat16"]
+    assert decode.valid, decode.text()
+    noted = [n for n in decode.notes if n.startswith("the machine's read bandwidth moved")]
+    assert noted == ([f"the machine's read bandwidth moved: {around[0]:.3g} GB/s before this cell and {around[1]:.3g} "
+                      "after, the sweep's figure 100 (its roofline share and ratios to cells of other times move with "
+                      "it)"] if moved else [])  # fmt: skip
 
 
 def test_each_rule_gives_its_verdict_and_names_its_figure(tmp_path):
