@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from reports.labels import SEPARATOR, short_labels
+from reports.labels import SEPARATOR, footnotes, short_labels
+from reports.tables.cells import GROUP
 from reports.verdicts import VALID
 
-WAY = ["engine", "engine_config", "model", "device", "context", "max_new_tokens", "dtype"]
+SCAN = [key for key in GROUP if key != "batch"]  # a way's rows at each B: one measurement group but for B
 BATCH_COLUMNS = ["way", "model", "device", "context", "max_new_tokens", "batch", "decode", "decode_median",
                  "per_sequence", "x_batch_1", "memory_peak", "roofline_pct_shown", "matmul_pct_shown",
                  "usd_per_mtok_shown", "verdict"]  # fmt: skip
@@ -21,7 +22,9 @@ def without_batch(label: str) -> str:
 
 
 def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
-    """One row per (way, B) of every decode row whose way was measured at more than one batch, VALID or not (its
+    """One row per (way, B) of every decode row whose way was measured at more than one batch (the rows of one
+    measurement group but for B: one environment and code, marked as the decode table marks them, with
+    ``attrs["footnotes"]`` saying which), VALID or not (its
     verdict beside it: a peer whose parity fails is still the figure a reader compares with): the median aggregate
     rate with its interval (``decode``: every sequence's tokens a second), the per-sequence rate (aggregate / B: each
     sequence's (N-1)/(T_N - T_1)), ``x_batch_1`` the aggregate over the same way's at B=1 (None without one), peak
@@ -30,22 +33,27 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
     if derived.empty or not (derived.batch > 1).any():
         return pd.DataFrame(columns=BATCH_COLUMNS)
     rows = []
-    for _, way in derived.groupby(WAY, sort=True, dropna=False):
-        if not (way.batch > 1).any():
-            continue
-        way = way.sort_values("batch").drop_duplicates("batch", keep="last")
+    scans = [way.sort_values("batch") for _, way in derived.groupby(SCAN, sort=True, dropna=False)
+             if (way.batch > 1).any()]  # fmt: skip
+    if not scans:
+        return pd.DataFrame(columns=BATCH_COLUMNS)
+    marks = dict(zip(pd.concat(scans).index, footnotes(pd.concat(scans))[0], strict=True))
+    for way in scans:
         one = way[way.batch == 1].decode_median
-        for _, r in way.iterrows():
-            rows.append({"way": without_batch(r.way_label), "model": r.model, "device": r.device, "context": r.context,
-                         "max_new_tokens": r.max_new_tokens, "batch": int(r.batch), "decode": r.decode,
-                         "decode_median": r.decode_median, "per_sequence": r.decode_median / r.batch,
+        for i, r in way.iterrows():
+            rows.append({"way": without_batch(r.way_label) + marks[i], "model": r.model, "device": r.device,
+                         "context": r.context, "max_new_tokens": r.max_new_tokens, "batch": int(r.batch),
+                         "decode": r.decode, "decode_median": r.decode_median,
+                         "per_sequence": r.decode_median / r.batch,
                          "x_batch_1": r.decode_median / one.iloc[0] if not one.empty else None,
                          "memory_peak": r.memory_peak,
                          "roofline_pct_shown": r.roofline_pct_shown if r.verdict == VALID else "–",
                          "matmul_pct_shown": r.matmul_pct_shown if r.verdict == VALID else "–",
                          "usd_per_mtok_shown": r.usd_per_mtok_shown if r.verdict == VALID else "–",
                          "verdict": r.verdict if r.verdict == VALID else _why(r)})  # fmt: skip
-    return pd.DataFrame(rows, columns=BATCH_COLUMNS)
+    table = pd.DataFrame(rows, columns=BATCH_COLUMNS)
+    table.attrs["footnotes"] = footnotes(pd.concat(scans))[1]  # each mark's environment and code
+    return table
 
 
 def _why(row: pd.Series) -> str:
