@@ -35,9 +35,9 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
     rows = []
     scans = [way.sort_values("batch") for _, way in derived.groupby(SCAN, sort=True, dropna=False)
              if (way.batch > 1).any()]  # fmt: skip
-    if not scans:
-        return pd.DataFrame(columns=BATCH_COLUMNS)
-    marks = dict(zip(pd.concat(scans).index, footnotes(pd.concat(scans))[0], strict=True))
+    scanned = pd.concat(scans)
+    row_marks, notes = footnotes(scanned)
+    marks = dict(zip(scanned.index, row_marks, strict=True))
     for way in scans:
         one = way[way.batch == 1].decode_median
         for i, r in way.iterrows():
@@ -52,7 +52,7 @@ def batch_table(derived: pd.DataFrame) -> pd.DataFrame:
                          "usd_per_mtok_shown": r.usd_per_mtok_shown if r.verdict == VALID else "–",
                          "verdict": r.verdict if r.verdict == VALID else _why(r)})  # fmt: skip
     table = pd.DataFrame(rows, columns=BATCH_COLUMNS)
-    table.attrs["footnotes"] = footnotes(pd.concat(scans))[1]  # each mark's environment and code
+    table.attrs["footnotes"] = notes  # each mark's environment and code
     return table
 
 
