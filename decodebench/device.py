@@ -227,10 +227,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 5) -> dict[str, object]:
+def measure_bandwidth(
+    device: Device, nbytes: int = 256 * 2**20, repeats: int = 5, copy: bool = True
+) -> dict[str, object]:
     """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (a sum over ``nbytes``, every thread:
-    what a decode step does to its weights), the figure a roofline divides by (``value``), and beside it a streaming
-    copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read reaches.
+    what a decode step does to its weights), the figure a roofline divides by (``value``), and beside it (unless
+    ``copy`` is false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates
+    what a read reaches.
 
     Timer boundaries: ``device.sync()`` before and after each pass. A JAX accelerator reads with a jitted sum and
     copies with a jitted ``x + 1`` over its own memory, never through the host.
@@ -240,18 +243,23 @@ def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 
         import jax.numpy as jnp
 
         src = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device.jax_device)
-        add, total = jax.jit(lambda x: x + 1), jax.jit(jnp.sum)
-        add(src).block_until_ready()
+        total = jax.jit(jnp.sum)
         total(src).block_until_ready()
-        passes = {"read": lambda: total(src).block_until_ready(), "copy": lambda: add(src).block_until_ready()}
+        passes = {"read": lambda: total(src).block_until_ready()}
         how = {"read": f"jax jit sum over {nbytes} B float32", "copy": f"jax jit x + 1 over {nbytes} B float32"}
+        if copy:
+            add = jax.jit(lambda x: x + 1)
+            add(src).block_until_ready()
+            passes["copy"] = lambda: add(src).block_until_ready()
     else:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
-        dst = torch.empty_like(src)
-        passes = {"read": src.sum, "copy": lambda: dst.copy_(src)}
+        passes = {"read": src.sum}
         how = {"read": f"torch sum over {nbytes} B float32", "copy": f"torch copy_ of {nbytes} B float32"}
+        if copy:
+            dst = torch.empty_like(src)
+            passes["copy"] = lambda: dst.copy_(src)
     moved = {"read": nbytes, "copy": 2 * nbytes}
-    samples: dict[str, list[float]] = {"read": [], "copy": []}
+    samples: dict[str, list[float]] = {kind: [] for kind in passes}
     for _ in range(repeats):
         for kind, run in passes.items():
             device.sync()
@@ -259,11 +267,12 @@ def measure_bandwidth(device: Device, nbytes: int = 256 * 2**20, repeats: int = 
             run()
             device.sync()
             samples[kind].append(moved[kind] / (time.perf_counter() - start) / 1e9)
+    read = {"value": max(samples["read"]), "unit": "GB/s", "samples": samples["read"],
+            "method": f"{how['read']}, bytes read / seconds, best of {repeats}"}  # fmt: skip
+    if not copy:
+        return read
     return {
-        "value": max(samples["read"]),
-        "unit": "GB/s",
-        "method": f"{how['read']}, bytes read / seconds, best of {repeats}",
-        "samples": samples["read"],
+        **read,
         "copy": {
             "value": max(samples["copy"]),
             "method": f"{how['copy']}, read+write bytes / seconds, best of {repeats}",

@@ -86,8 +86,7 @@ def resolve(hardware_cfg: HardwareConfig, device: Device, cache_dir: str | Path,
 
 
 def read_now(device: Device) -> dict[str, Any]:
-    """The streaming read figure now (``measure_bandwidth``'s read, best of ``CELL_READS``), in GB/s: taken before
+    """The streaming read figure now (``measure_bandwidth``'s read alone, best of ``CELL_READS``), in GB/s: taken before
     and after each cell whose roofline divides by the sweep's measured figure. A shared host's bandwidth moves (the
     2-core AMD EPYC read 84 GB/s one hour and 46-50 the next), so a cell records what the machine read around it."""
-    measured = measure_bandwidth(device, repeats=CELL_READS)
-    return {"value": measured["value"], "samples": measured["samples"]}
+    return measure_bandwidth(device, repeats=CELL_READS, copy=False)

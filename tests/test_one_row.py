@@ -141,9 +141,11 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
     assert mv["one_row_linears"] == 9 * layers - 2 * shared + 2
     for setting, record in records.items():
         assert record["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"], setting
+    assert mv["cpu_kernel_threads"] is None and linear["cpu_kernel_threads"] is None  # no product on the kernels
     if "rows" in records:
         rows = records["rows"]["engine"]
         assert (rows["one_row"], rows["one_row_linears"]) == ("rows", mv["one_row_linears"])
+        assert rows["cpu_kernel_threads"] == torch.get_num_threads()  # the thread count this process runs with
 
 
 @pytest.mark.parametrize(
