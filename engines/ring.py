@@ -13,10 +13,13 @@
 * ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
   least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
   ``exact`` reads it at its own length (a program per distinct length).
-* A piece whose last row is a prompt token (every piece but a padded last one) asks Transformers for that row
-  alone (``logits_to_keep=1``), and Transformers then runs only that row through the KV-shared layers, which
-  write no keys or values (on E2B the last 20 of 35, with double-wide MLPs); the article's layout
-  (``attend=cache last_piece=padded``) keeps its two programs and runs every row through every layer.
+* Every piece's last row is a prompt token: a padded piece holds its padding rows first (at the positions just
+  past its prompt tokens, recorded as empty, so no query sees them and a later token overwrites their slots), except
+  in the article's layout (``attend=cache last_piece=padded``), which pads at the end. Transformers is asked for
+  that last row alone (``logits_to_keep=1``) and then runs only that row through the KV-shared layers, which write
+  no keys or values (on E2B the last 20 of 35, with double-wide MLPs): a 65-token prompt read as 128 rows runs
+  128 rows through 15 layers and one row through 20. The article's layout keeps its two programs and runs every
+  row through every layer.
 * A decode step folds the query heads that share a K/V head into the query length
   (``grouped_attention``): the same products as ``enable_gqa``, as one matrix product per K/V head.
   A prompt piece keeps ``enable_gqa``: folding 256 queries would repeat its mask G times.
@@ -303,12 +306,16 @@ class RingEngine(SteppingEngine):
     def read_piece(
         self, ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, ends_full: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One piece: ids [1, length] from position ``start`` with ``count`` real tokens (device scalars);
-        ``ends_full`` (a host bool, one program each way): its last row is a real token, so only that row
-        goes through the KV-shared layers."""
-        offsets = self.piece_offsets[: ids.shape[1]]
-        positions = (start + offsets)[None]
-        logits = self.forward(ids, positions, (offsets < count)[None], 1 if ends_full else (count - 1).view(1))
+        """One piece: ids [1, length] holding ``count`` prompt tokens from position ``start`` (device scalars).
+        ``ends_full`` (a host bool, one program each way): the padding rows come first and the last row is the
+        prompt's, so only that row goes through the KV-shared layers; else (the article's layout) the padding
+        rows come last and every row goes through every layer. A padding row sits at a position past the
+        prompt tokens (``start + count`` on), recorded as empty."""
+        length = ids.shape[1]
+        offsets = self.piece_offsets[:length]
+        order = (offsets - (length - count)) % length if ends_full else offsets  # each row's place in the piece
+        logits = self.forward(ids, (start + order)[None], (order < count)[None],
+                              1 if ends_full else (count - 1).view(1))  # fmt: skip
         return greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,16 +323,16 @@ class RingEngine(SteppingEngine):
         pieces = math.ceil(len(prompt_ids) / piece)
         if pieces * piece > self.ring.full_slots:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
-        padded = torch.tensor(prompt_ids + [0] * (pieces * piece - len(prompt_ids)), device=device).view(pieces, piece)
+        ends_full = not self.article_layout
         for k in tqdm(range(pieces), desc="reading prompt", unit="piece", disable=pieces < 16, leave=False):
             self.fill_to((k + 1) * piece, "pieces")
-            count = min(piece, len(prompt_ids) - k * piece)
-            length = self.piece_length(count)
+            tokens = prompt_ids[k * piece : (k + 1) * piece]
+            length = self.piece_length(len(tokens))
             self.piece_lengths[length] = self.piece_lengths.get(length, 0) + 1
-            start = torch.tensor(k * piece, device=device)
-            ids = padded[k : k + 1, :length]
-            ends_full = length == count and not self.article_layout
-            token, logits = self.compiled_piece(ids, start, torch.tensor(count, device=device), ends_full)
+            padding = [0] * (length - len(tokens))
+            ids = torch.tensor([padding + tokens if ends_full else tokens + padding], device=device)
+            start, count = torch.tensor(k * piece, device=device), torch.tensor(len(tokens), device=device)
+            token, logits = self.compiled_piece(ids, start, count, ends_full)
         return token, logits
 
     def piece_length(self, count: int) -> int:

@@ -126,6 +126,28 @@ def test_ring_reading_only_what_it_needs_writes_the_same_tokens(cell_cfg, tiny, 
     assert engine["graphs"] > 2 and engine["graph_breaks"] == 0
 
 
+@pytest.mark.parametrize(("last_piece", "shared_rows"), [("bucketed", 1), ("exact", 1), ("padded", 32)])
+def test_a_padded_piece_runs_only_its_last_row_through_the_kv_shared_layers(cache_dir, tiny, last_piece, shared_rows):
+    """A 20-token prompt in 32-token pieces: padded to 32 (bucketed, and the article's padded) or read as 20
+    (exact). Its padding first, the last row is the prompt's: the KV-shared layers (which write no K/V) run that row
+    alone; the article's layout pads at the end and runs every row through every layer. The same first token."""
+    engine = opened(f"cache_dir={cache_dir}", "engine=ring", "engine.piece=32", f"engine.last_piece={last_piece}",
+                    "dtype=float32", *NOT_COMPILED).load()  # fmt: skip
+    rows: dict[int, list[int]] = {}
+    for i, layer in enumerate(engine.model.model.layers):
+        layer.mlp.register_forward_hook(lambda _m, args, _out, i=i: rows.setdefault(i, []).append(args[0].shape[1]))
+    ids = [2] + [(7 * k) % 200 + 10 for k in range(19)]
+    first = engine.generate(ids, 1).tokens
+    shared = engine.model.config.num_kv_shared_layers
+    own_rows = {r for i in range(len(rows) - shared) for r in rows[i]}
+    shared_rows_seen = {r for i in range(len(rows) - shared, len(rows)) for r in rows[i]}
+    assert own_rows == {20 if last_piece == "exact" else 32} and shared_rows_seen == {shared_rows}
+    alone = opened(f"cache_dir={cache_dir}", "engine=generate", "dtype=float32").load()
+    assert first == alone.generate(ids, 1).tokens
+    engine.close()
+    alone.close()
+
+
 @pytest.mark.parametrize(
     ("needed", "bucket"), [(1, 32), (32, 32), (33, 64), (64, 64), (65, 128), (200, 256), (1000, 1024), (1025, 1056)]
 )
