@@ -15,7 +15,13 @@ Method, per level (``experiment.concurrency``: closed loop, that many requests a
   many tokens fails the cell).
 * Prompts: ``synthetic`` (AIPerf's generator, ``prompt_tokens`` each, completions endpoint), ``recall``
   (the recall generator's prompt of at most ``prompt_tokens`` tokens, a new seed per request, chat), or a
-  JSONL file (``{"text": ...}`` a line, chat); every text prompt is held to the fit rule first.
+  JSONL file (``{"text": ...}`` a line, chat); every text prompt is held to the fit rule first. Each level's
+  prompts are its own (AIPerf's seed is ``seed`` plus the level's index; the recall prompts are drawn anew for the
+  warm-up and for each level), so a server that keeps the prompts it has read (llama.cpp's, vLLM's prefix cache)
+  reads every level's in full, as one that keeps none does: with one seed for all, llama.cpp's server took 60 of
+  each 65-token prompt from its cache at the second and third levels. Each level records the prompt tokens the
+  server said it took from a cache (``prompt_cache_read_tokens``), and with synthetic prompts (which share nothing
+  but their first token) a check holds it to none.
 * Per level: requests, errors, request throughput (req/s) and output tok/s over AIPerf's benchmark
   duration; TTFT, TPOT, ITL and E2EL mean / p50 / p90 / p99 (seconds; AIPerf's names in
   ``serving.aiperf``); goodput (requests a second meeting both SLOs, ``experiment.slo``); and the server's
@@ -68,6 +74,7 @@ DEFAULT_PROMPT_TOKENS = 64
 RECORDS_FILE = "profile_export.jsonl"  # AIPerf's per-request records, kept gzipped
 TOOL_TIMEOUT_S = 3600.0
 PEAK = "the highest AIPerf output token throughput over the levels"
+FRESH_PROMPTS = "no prompt token of any level taken from the server's prompt cache"
 
 
 @dataclass
@@ -87,8 +94,9 @@ class LoadExperimentConfig(ExperimentConfig):
     ``concurrency``: closed-loop levels; ``rate``: open-loop Poisson levels (requests a second); one AIPerf
     run each, in this order. ``prompts``: ``synthetic``, ``recall`` or a JSONL path; ``prompt_tokens``: the
     synthetic prompts' length, or the recall prompts' largest (64 unless given; refused with a JSONL file, whose
-    lines are sent as they are); ``seed``: AIPerf's and the recall prompts'. ``generator_cpus``: where AIPerf
-    runs, the server on the other CPUs (``auto``, ``shared`` or a CPU list: ``decodebench.placement``).
+    lines are sent as they are); ``seed``: AIPerf's (plus each level's index) and the recall prompts'.
+    ``generator_cpus``: where AIPerf runs, the server on the other CPUs (``auto``, ``shared`` or a CPU list:
+    ``decodebench.placement``).
     """
 
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -166,6 +174,24 @@ def text_prompts(cell: Cell, count: int) -> list[str] | None:
     for text in texts:
         cell.require_fit(len(cell.opened.encode(text)))
     return texts
+
+
+def level_texts(texts: list[str] | None, exp: LoadExperimentConfig, index: int) -> list[str] | None:
+    """The texts level ``index`` sends (-1: the warm-up): its own share of the recall prompts (``text_prompts``
+    drew the warm-up's and every level's), or a JSONL file's lines at every level (the user's prompts as they are)."""
+    if texts is None or exp.prompts != "recall":
+        return texts
+    first = exp.warmup_requests + index * exp.requests if index >= 0 else 0
+    return texts[first : first + (exp.requests if index >= 0 else exp.warmup_requests)]
+
+
+def fresh_prompts_check(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """Synthetic prompts share nothing but their first token, and each level has its own: a server that says it
+    took prompt tokens from a cache of its own read a prompt it had read before, which the method rules out."""
+    cached = {lv["level"]: lv["prompt_cache_read_tokens"] for lv in levels if lv["prompt_cache_read_tokens"]}
+    detail = ", ".join(f"{name}: {tokens:g} tokens" for name, tokens in cached.items()) or "none"
+    return {"rule": FRESH_PROMPTS, "holds": not cached,
+            "detail": f"taken from the cache: {detail}"}  # fmt: skip
 
 
 def keep_exports(run_dir: Path, kept: Path) -> list[str]:
@@ -285,7 +311,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
 
 def run_placed(cell: Cell, placement: Placement, result: Result) -> Result:
     cfg, exp = cell.cfg, cell.cfg.experiment
-    texts = text_prompts(cell, exp.requests + exp.warmup_requests)
+    texts = text_prompts(cell, exp.warmup_requests + exp.requests * len(exp.levels()))
     (ids,) = check_fit(cell, [cfg.prompt])
     cell.load()
     read_every = max(cfg.read_every, 1)
@@ -297,15 +323,19 @@ def run_placed(cell: Cell, placement: Placement, result: Result) -> Result:
 
     def clients(url: str, model: str, _worker: Any) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="decodebench-load-") as tmp:
-            input_file = None
-            if texts is not None:
-                input_file = Path(tmp) / "prompts.jsonl"
-                input_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-            work = aiperf.Workload(exp.requests, cfg.max_new_tokens, tokens, input_file, exp.slo.ttft_s,
-                                   exp.slo.tpot_s, exp.seed)  # fmt: skip
             synthetic = (ids * (tokens // len(ids) + 2))[: tokens + 1]  # read as long as AIPerf's prompt is
-            warm_up(url, model, texts, synthetic, cfg.max_new_tokens, exp.warmup_requests)
-            return [run_level(url, model, cell, level, work, kept, placement) for level in exp.levels()]
+            warm_up(url, model, level_texts(texts, exp, -1), synthetic, cfg.max_new_tokens, exp.warmup_requests)
+            records = []
+            for index, level in enumerate(exp.levels()):
+                input_file = None
+                if texts is not None:
+                    input_file = Path(tmp) / f"prompts-{level.name}.jsonl"
+                    input_file.write_text("".join(json.dumps({"text": t}) + "\n"
+                                                  for t in level_texts(texts, exp, index)))  # fmt: skip
+                work = aiperf.Workload(exp.requests, cfg.max_new_tokens, tokens, input_file, exp.slo.ttft_s,
+                                       exp.slo.tpot_s, exp.seed + index)  # fmt: skip
+                records.append({**run_level(url, model, cell, level, work, kept, placement), "seed": work.seed})
+            return records
 
     endpoint = cell.engine.endpoint()
     if endpoint is not None:  # a server already serves the engine: AIPerf loads it there
@@ -329,6 +359,8 @@ def run_placed(cell: Cell, placement: Placement, result: Result) -> Result:
             base.rates, "tok/s", formula="(N-1)/(T_N-T_1)", read_every=read_every, prompt="the run's prompt"
         )
     result.outputs["checks"] = [base.check()]
+    if exp.prompts == "synthetic":
+        result.outputs["checks"].append(fresh_prompts_check(levels))
     result.outputs.update(
         levels=levels,
         read_every=read_every,

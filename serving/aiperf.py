@@ -111,7 +111,8 @@ def _seconds(block: dict[str, Any]) -> dict[str, float]:
 
 def read_level(out: Path) -> dict[str, Any]:
     """One level's client figures from AIPerf's export in ``out``: counts, rates, latencies in seconds and
-    goodput."""
+    goodput; ``prompt_cache_read_tokens``: the prompt tokens the server said it took from a cache of its own over
+    the level's requests (``usage.prompt_tokens_details.cached_tokens``; None from a server that says nothing)."""
     try:
         client = json.loads((out / CLIENT_EXPORT).read_text())
     except (OSError, ValueError) as exc:
@@ -137,5 +138,6 @@ def read_level(out: Path) -> dict[str, Any]:
         "effective_concurrency": value("effective_concurrency"),
         "output_tokens": {k: tokens[k] for k in ("min", "max") if k in tokens},
         "prompt_tokens": client.get("usage_prompt_tokens", {}).get("avg"),
+        "prompt_cache_read_tokens": client.get("total_usage_prompt_cache_read_tokens", {}).get("avg"),
         **{ours: _seconds(client[theirs]) for theirs, ours in LATENCIES.items() if theirs in client},
     }

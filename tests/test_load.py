@@ -13,7 +13,7 @@ import pytest
 from decodebench.config import ConfigError
 from decodebench.device import resolve_device
 from experiments.cell import Cell, MethodError
-from experiments.load import LoadExperimentConfig, held_to_method, text_prompts
+from experiments.load import LoadExperimentConfig, fresh_prompts_check, held_to_method, level_texts, text_prompts
 from reports.tables.load import load_table
 from runner import run_cell, typed_config
 from serving import aiperf
@@ -109,3 +109,36 @@ def test_recall_and_jsonl_prompts_are_held_to_the_fit_rule(tiny, cache_dir, tmp_
     lines.write_text(json.dumps({"prompt": "no text field"}) + "\n")
     with pytest.raises(ConfigError, match="text field"):
         text_prompts(cell_for(*base, f"experiment.prompts={lines}"), 5)
+
+
+def test_each_level_sends_prompts_of_its_own():
+    """The recall prompts: the warm-up's and each level's their own share; a JSONL file's lines at every level."""
+    exp = LoadExperimentConfig(name="load", prompts="recall", concurrency=[1, 4], requests=3, warmup_requests=2)
+    texts = [f"prompt {i}" for i in range(2 + 3 * 2)]
+    shares = [level_texts(texts, exp, index) for index in (-1, 0, 1)]
+    assert shares == [texts[:2], texts[2:5], texts[5:8]]
+    lines = LoadExperimentConfig(name="load", prompts="mine.jsonl")
+    assert level_texts(["a", "b"], lines, 1) == ["a", "b"] and level_texts(None, exp, 0) is None
+
+
+def test_a_level_whose_prompts_came_from_the_servers_cache_breaks_the_check():
+    levels = [{"level": "c1", "prompt_cache_read_tokens": 0.0}, {"level": "c2", "prompt_cache_read_tokens": None}]
+    assert fresh_prompts_check(levels)["holds"] is True
+    levels.append({"level": "c4", "prompt_cache_read_tokens": 480.0})  # llama.cpp's c4 with c1's prompts again
+    check = fresh_prompts_check(levels)
+    assert check["holds"] is False and check["detail"] == "taken from the cache: c4: 480 tokens"
+    row = load_table({"cell.json": level_record(480.0)}).iloc[0]
+    assert row.prompt_cached == 60.0, "tokens a request took from the cache, on average"
+
+
+def level_record(cached: float | None) -> dict:
+    """A load cell of one c4 level of 8 requests whose server took ``cached`` prompt tokens from its cache."""
+    latency = {"avg": 0.5, "p50": 0.5, "p90": 0.6, "p99": 0.7}
+    level = {"level": "c4", "mode": "concurrency", "value": 4, "requests": 8, "errors": 0, "prompt_tokens": 65.0,
+             "prompt_cache_read_tokens": cached, "output_tokens": {"min": 16, "max": 16}, "request_rate_req_s": 1.0,
+             "output_tok_s": 16.0, "ttft_s": latency, "tpot_s": latency, "itl_s": latency, "e2el_s": latency,
+             "server": None, "ttft_less_queue_s": None, "goodput_req_s": 1.0, "good_requests": 8}  # fmt: skip
+    return {"status": "ok", "config": {"experiment": {"name": "load"}, "engine": {"name": "llamacpp", "quant": "q4_0"},
+                                       "model": {"name": "tiny"}},
+            "model": {"synthetic": True}, "environment": {"device_kind": "cpu"},
+            "outputs": {"levels": [level], "placement": None, "slo": {"ttft_s": 2.0, "tpot_s": 0.1}, "exports": "x"}}  # fmt: skip

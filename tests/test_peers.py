@@ -16,6 +16,7 @@ import torch
 from decodebench.config import ConfigError
 from decodebench.process_group import alive, members
 from engines.vllm_engine import VllmEngine, cores_spec
+from experiments.load import FRESH_PROMPTS as FRESH_RULE
 from runner import run_cell
 from tests.conftest import check_streaming, opened
 
@@ -129,7 +130,13 @@ def test_a_llamacpp_peer_under_load_decodes_its_slots_together(cell_cfg, tiny):
     assert record["status"] == "ok", record["reason"]
     command = record["engine"]["command"]
     assert command[command.index("-np") + 1] == "4" and command[command.index("-c") + 1] == str(4 * 256)
-    assert [level["level"] for level in record["outputs"]["levels"]] == ["c1", "c4"]
+    levels = record["outputs"]["levels"]
+    assert [level["level"] for level in levels] == ["c1", "c4"]
+    # each level's prompts its own: llama.cpp's server, which keeps what it read, reads every one in full (with one
+    # seed for both levels it took nearly all of c4's from its cache)
+    assert [level["seed"] for level in levels] == [0, 1]
+    assert [level["prompt_cache_read_tokens"] for level in levels] == [0, 0]
+    assert {c["rule"]: c["holds"] for c in record["outputs"]["checks"]}[FRESH_RULE] is True
     assert not any(alive(p["pid"]) for p in record["engine"]["memory"]["processes"])
 
 

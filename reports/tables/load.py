@@ -9,9 +9,9 @@ import pandas as pd
 from reports.tables.cells import engine_settings
 
 LOAD_COLUMNS = ["file", "engine", "engine_config", "weights", "max_batch", "generator", "model", "synthetic", "device",
-                "level", "mode", "value", "requests", "errors", "prompt_tokens", "output_tokens", "request_rate",
-                "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99",
-                "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s",
+                "level", "mode", "value", "requests", "errors", "prompt_tokens", "prompt_cached", "output_tokens",
+                "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50",
+                "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s",
                 "engine_over_bare", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
 
 
@@ -43,6 +43,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     "requests": level["requests"],
                     "errors": level["errors"],
                     "prompt_tokens": level["prompt_tokens"],
+                    "prompt_cached": _cached_per_request(level),
                     "output_tokens": level["output_tokens"].get("max"),
                     "request_rate": level["request_rate_req_s"],
                     "output_tok_s": level["output_tok_s"],
@@ -73,6 +74,13 @@ def generator(placement: dict[str, Any] | None) -> str:
         return "shared"
     cpus = ",".join(map(str, placement["generator_cpus"]))
     return f"CPU {cpus} (server {','.join(map(str, placement['server_cpus']))})"
+
+
+def _cached_per_request(level: dict[str, Any]) -> float | None:
+    """Prompt tokens a request of the level took from the server's cache, on average (None: the server said
+    nothing, or evidence from before the level recorded it)."""
+    total = level.get("prompt_cache_read_tokens")
+    return total / level["requests"] if total is not None and level["requests"] else None
 
 
 def _weights(engine: dict[str, Any]) -> str | None:
