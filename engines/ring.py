@@ -30,6 +30,7 @@ projections, norms, RoPE, MLP and per-layer embeddings are Transformers' own mod
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import types
@@ -145,6 +146,18 @@ class RingCache:
     def reset(self) -> None:
         self.ring_pos.fill_(-1)
         self.full_pos.fill_(-1)
+
+    def first(self, rows: int) -> RingCache:
+        """The first ``rows`` sequences of this cache, on its own buffers (views of them): a step of these rows
+        reads and writes theirs alone."""
+        if rows == self.batch:
+            return self
+        part = copy.copy(self)
+        part.batch, part.rows, part.masks, part.folded = rows, self.rows[:rows], {}, {}
+        part.k = {i: t[:rows] for i, t in self.k.items()}
+        part.v = {i: t[:rows] for i, t in self.v.items()}
+        part.ring_pos, part.full_pos = self.ring_pos[:rows], self.full_pos[:rows]
+        return part
 
     def take_row(self, row: int, single: RingCache) -> None:
         """Copies a one-sequence cache (its prompt read) into sequence ``row`` of this one (the same geometry)."""
@@ -273,6 +286,7 @@ class RingEngine(SteppingEngine):
         piece = self.ctx.engine_cfg.piece
         self.ring = RingCache(self.model.config, self.ctx.context, piece, self.ctx.dtype, self.ctx.device.torch_device)
         self.batch_ring: RingCache | None = None  # generate_batch's ring, a row per sequence (built at first use)
+        self.row_rings: dict[int, RingCache] = {}  # n -> the batch ring's first n rows (open_rows)
         self.attend = self.ctx.engine_cfg.attend
         # the article's two programs (every piece padded, every slot read) keep one piece program: every row
         # of a piece goes through every layer there, as the article's ring does
@@ -366,19 +380,25 @@ class RingEngine(SteppingEngine):
                               torch.zeros_like(position[:1]))  # fmt: skip
         return greedy(logits), logits
 
-    def open_rows(self, rows: int) -> None:
+    def open_rows(self, rows: int, warm: bool = False) -> None:
         """A ring of ``rows`` sequences (kept while its size is asked again), every row free: ``admit`` reads a
-        prompt into a row, ``step_rows`` steps every row at once, ``release`` frees one (the server's continuous
-        batching, and ``generate_batch``)."""
+        prompt into a row, ``step_rows`` steps the busy rows at once, ``release`` frees one (the server's continuous
+        batching, and ``generate_batch``). A step runs the first ``n`` rows, the fewest of ``row_rings`` (a power of
+        two, or ``rows``: a program each) that hold every busy row; ``warm``: each of those programs compiled now,
+        every row free (the server's, so that no request's step waits for a compile)."""
         device = self.ctx.device.torch_device
         if self.batch_ring is None or self.batch_ring.batch != rows:
             self.batch_ring = RingCache(self.model.config, self.ctx.context, self.ring.piece, self.ctx.dtype, device,
                                         rows)  # fmt: skip
+            sizes = sorted({*(2**j for j in range(rows.bit_length()) if 2**j < rows), rows})
+            self.row_rings = {n: self.batch_ring.first(n) for n in sizes}
         with self.running():  # made as the steps make them (inference tensors), so a step never sees another kind
             self.row_token = torch.zeros(rows, 1, dtype=torch.long, device=device)
             self.row_position = torch.zeros(rows, dtype=torch.long, device=device)
             self.row_busy = torch.zeros(rows, dtype=torch.long, device=device)  # 1 where a row advances each step
         self.row_at: list[int | None] = [None] * rows  # each busy row's next position on the host; None: free
+        for n in self.row_rings if warm else ():
+            self.step_first(n)
 
     def admit(self, row: int, prompt_ids: list[int]) -> torch.Tensor:
         """Reads ``prompt_ids`` alone (the one-sequence programs, into the one-sequence ring), copies its cache into
@@ -400,14 +420,21 @@ class RingEngine(SteppingEngine):
             self.row_busy[row] = 0
 
     def step_rows(self) -> torch.Tensor:
-        """One step of every row at its own position: each row's next token [rows, 1] on the device; busy rows
-        advance, free ones hold."""
+        """One step of the busy rows, each at its own position: each row's next token [rows, 1] on the device (a
+        free row's is not one to read). The first ``n`` rows step (``open_rows``): busy rows advance, free ones
+        among them hold."""
+        last = max((row for row, at in enumerate(self.row_at) if at is not None), default=0)
+        return self.step_first(min(n for n in self.row_rings if n > last))
+
+    def step_first(self, n: int) -> torch.Tensor:
+        """One step of the first ``n`` rows (``row_rings[n]``'s program); the rows past them keep their tokens."""
         busy = [at for at in self.row_at if at is not None]
-        single, self.ring = self.ring, self.batch_ring
+        single, self.ring = self.ring, self.row_rings[n]
         try:
             with self.running():
                 self.before_step(max(busy, default=0))
-                self.row_token, _ = self.compiled_step(self.row_token, self.row_position)
+                tokens, _ = self.compiled_step(self.row_token[:n], self.row_position[:n])
+                self.row_token = torch.cat([tokens, self.row_token[n:]]) if n < len(self.row_at) else tokens
                 self.row_position = self.row_position + self.row_busy
         finally:
             self.ring = single
@@ -437,6 +464,7 @@ class RingEngine(SteppingEngine):
     def close(self) -> None:
         super().close()
         self.ring = self.batch_ring = self.compiled_piece = None
+        self.row_rings = {}
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -290,7 +290,7 @@ class Row:
 
 class BatchWorker(EngineWorker):
     """Continuous batching over an engine that ``joins``: up to ``rows`` jobs decode together, one step making a
-    token for each. A queued job joins at the next step: its prompt is read alone into a free row (between steps: the
+    token for each (a step runs the fewest rows that hold the busy ones; every such program compiled at start). A queued job joins at the next step: its prompt is read alone into a free row (between steps: the
     other rows wait for that read), its first token sent at once; each step's tokens are read to the host and each
     row's end checked there (its stop rule, its budget, its client gone), a finished row freed for the next job.
     One client's cancel ends its row only. A job that asks for log-probabilities needs its call's logits: it waits
@@ -303,7 +303,7 @@ class BatchWorker(EngineWorker):
         super().__init__(engine, metrics, 1, keep)
         self.rows: list[Row | None] = [None] * rows
         self.peak_rows = 0  # the most rows busy at once so far
-        engine.open_rows(rows)
+        engine.open_rows(rows, warm=True)
 
     def free_rows(self) -> int:
         return self.rows.count(None)

@@ -43,6 +43,35 @@ def test_each_sequence_of_a_ragged_batch_writes_its_tokens_alone(ring):
     assert ring.generate(batch[2], N).tokens == alone[2]  # the one-sequence ring is the engine's again
 
 
+def test_a_step_runs_the_fewest_rows_that_hold_every_busy_one(ring):
+    """Of 4 rows, a step runs the first 1, 2 or 4, whichever hold every busy row, and a row's tokens are its own
+    whichever: row 0 decodes alone, then beside row 2 (4 rows stepped), then beside row 1 (2 rows)."""
+    first, third, second = prompts([5, 50, 12])
+    alone = ring.generate(first, 7).tokens
+    seen: list[int] = []
+    layer = ring.model.model.layers[0].mlp
+    hook = layer.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+
+    def step() -> tuple[int, int]:
+        """Row 0's next token, and the rows the step ran."""
+        seen.clear()
+        return int(ring.step_rows()[0, 0]), seen[0]
+
+    try:
+        ring.open_rows(4)
+        made = [int(ring.admit(0, first))]
+        stepped = [step(), step()]
+        ring.admit(2, third)
+        stepped += [step(), step()]
+        ring.release(2)
+        ring.admit(1, second)
+        stepped += [step(), step()]
+    finally:
+        hook.remove()
+    assert [rows for _, rows in stepped] == [1, 1, 4, 4, 2, 2]
+    assert made + [token for token, _ in stepped] == alone
+
+
 def test_the_decode_experiment_measures_a_batch_as_a_method(cell_cfg, tiny):
     record = run_cell(cell_cfg("engine=ring", "engine.backend=none", "experiment=decode", "experiment.batch=3",
                                "max_new_tokens=8"))  # fmt: skip

@@ -141,4 +141,5 @@ def level_record(cached: float | None) -> dict:
     return {"status": "ok", "config": {"experiment": {"name": "load"}, "engine": {"name": "llamacpp", "quant": "q4_0"},
                                        "model": {"name": "tiny"}},
             "model": {"synthetic": True}, "environment": {"device_kind": "cpu"},
-            "outputs": {"levels": [level], "placement": None, "slo": {"ttft_s": 2.0, "tpot_s": 0.1}, "exports": "x"}}  # fmt: skip
+            "outputs": {"levels": [level], "placement": None, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
+                        "exports": "x"}}  # fmt: skip
