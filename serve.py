@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> None:
             _, warmup_s = timed(device, lambda: engine.generate(ids, min(run.max_new_tokens, run.context - len(ids))))
     served = describe_engine(opened, run.model.name, load_s, warmup_s, read_every)
     try:
-        worker = make_worker(engine, Metrics(), read_every, run.serve.max_batch)
+        worker = make_worker(engine, Metrics(), read_every, run.serve.max_batch, run.serve.prompt_read)
     except ConfigError as exc:
         opened.close()
         sys.exit(f"engine {cfg.engine.name} cannot serve here: {exc}")

@@ -140,6 +140,14 @@ class DeviceConfig:
     kind: DeviceKind = DeviceKind.auto
 
 
+class PromptRead(StrEnum):
+    """How the server's continuous batching reads a joining request's prompt: in one pass between two steps (the
+    running rows wait for all of it), or one ``engine.piece`` of it between each two steps (they wait a piece)."""
+
+    whole = "whole"
+    pieces = "pieces"
+
+
 @dataclass
 class ServeConfig:
     """Where ``serve.py`` listens and what its server admits (not measured settings: the serve experiment
@@ -149,7 +157,7 @@ class ServeConfig:
     as token ids is about 1 MB of JSON. ``max_queue``: requests (one per prompt) waiting for the engine
     beside those it decodes (more: a 429 with Retry-After). ``max_batch``: requests decoded together (continuous
     batching: a request joins at the next step and leaves at its end; an engine that batches, the ring); 1: one at
-    a time.
+    a time. ``prompt_read``: how a joining request's prompt is read (``PromptRead``; with ``max_batch`` above 1).
     """
 
     host: str = "127.0.0.1"
@@ -157,11 +165,15 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_queue: int = 64
     max_batch: int = 1
+    prompt_read: PromptRead = PromptRead.whole
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port={self.port} must be 0 (a free port) to 65535")
         at_least("serve.", self, 1, "max_body_bytes", "max_queue", "max_batch")
+        if self.prompt_read != PromptRead.whole and self.max_batch == 1:
+            raise ConfigError(f"serve.prompt_read={self.prompt_read} has no effect with serve.max_batch=1: a request "
+                              "served alone is read in one pass, nothing runs beside it")  # fmt: skip
 
 
 @dataclass

@@ -27,6 +27,7 @@ BOOT_SCHEMA_PATH = SCHEMA_PATH.with_name("boot.schema.json")
 DECODE_EXPERIMENTS = ("decode", "default")  # experiments whose files carry decode_tok_s samples
 # Settings that say where and how evidence is kept (or where a server listens), not what was measured.
 NOT_MEASURED = ("sweep", "resume", "evidence_dir", "cache_dir", "host", "serve")
+SERVE_MEASURED = {"max_batch": 1, "prompt_read": "whole"}  # the server's settings that change what is measured
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,13 @@ class Record:
 
 def config_hash(config: dict[str, Any]) -> str:
     """The cell's settings as a hash: every key but where it runs and writes (``NOT_MEASURED``); of the server's
-    settings only ``serve.max_batch`` changes what is measured, and is hashed where it is not 1."""
+    settings only ``serve.max_batch`` and ``serve.prompt_read`` change what is measured, each hashed where it is not
+    its default (1, whole)."""
     measured = {k: v for k, v in config.items() if k not in NOT_MEASURED}
-    max_batch = (config.get("serve") or {}).get("max_batch", 1)
-    if max_batch != 1:
-        measured["serve.max_batch"] = max_batch
+    serve = config.get("serve") or {}
+    for key, default in SERVE_MEASURED.items():
+        if serve.get(key, default) != default:
+            measured[f"serve.{key}"] = serve[key]
     return hashlib.sha256(json.dumps(measured, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -34,6 +34,7 @@ import copy
 import math
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -333,21 +334,31 @@ class RingEngine(SteppingEngine):
         return greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        piece, device = self.ring.piece, self.ctx.device.torch_device
-        pieces = math.ceil(len(prompt_ids) / piece)
-        if pieces * piece > self.ring.full_slots:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
-        ends_full = not self.article_layout
+        pieces = self.pieces_of(prompt_ids)
         for k in tqdm(range(pieces), desc="reading prompt", unit="piece", disable=pieces < 16, leave=False):
-            self.fill_to((k + 1) * piece, "pieces")
-            tokens = prompt_ids[k * piece : (k + 1) * piece]
-            length = self.piece_length(len(tokens))
-            self.piece_lengths[length] = self.piece_lengths.get(length, 0) + 1
-            padding = [0] * (length - len(tokens))
-            ids = torch.tensor([padding + tokens if ends_full else tokens + padding], device=device)
-            start, count = torch.tensor(k * piece, device=device), torch.tensor(len(tokens), device=device)
-            token, logits = self.compiled_piece(ids, start, count, ends_full)
+            token, logits = self.read_one(prompt_ids, k)
         return token, logits
+
+    def pieces_of(self, prompt_ids: list[int]) -> int:
+        """How many pieces the prompt is read in; a prompt the cache cannot hold is refused."""
+        pieces = math.ceil(len(prompt_ids) / self.ring.piece)
+        if pieces * self.ring.piece > self.ring.full_slots:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit {self.ring.full_slots} slots")
+        return pieces
+
+    def read_one(self, prompt_ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's piece ``k`` into the one-sequence ring (after pieces 0 to k-1): the greedy next token [1, 1]
+        and logits [1, V] at its last prompt token."""
+        piece, device = self.ring.piece, self.ctx.device.torch_device
+        ends_full = not self.article_layout
+        self.fill_to((k + 1) * piece, "pieces")
+        tokens = prompt_ids[k * piece : (k + 1) * piece]
+        length = self.piece_length(len(tokens))
+        self.piece_lengths[length] = self.piece_lengths.get(length, 0) + 1
+        padding = [0] * (length - len(tokens))
+        ids = torch.tensor([padding + tokens if ends_full else tokens + padding], device=device)
+        start, count = torch.tensor(k * piece, device=device), torch.tensor(len(tokens), device=device)
+        return self.compiled_piece(ids, start, count, ends_full)
 
     def piece_length(self, count: int) -> int:
         """Tokens a piece holding ``count`` prompt tokens is padded to."""
@@ -403,15 +414,28 @@ class RingEngine(SteppingEngine):
     def admit(self, row: int, prompt_ids: list[int]) -> torch.Tensor:
         """Reads ``prompt_ids`` alone (the one-sequence programs, into the one-sequence ring), copies its cache into
         ``row``, and returns its first token [1, 1] on the device; the row then steps with the others."""
+        *_, token = self.admitting(row, prompt_ids)
+        return token
+
+    def admitting(self, row: int, prompt_ids: list[int]) -> Iterator[torch.Tensor | None]:
+        """``admit`` a piece at a time: None after each piece but the last, then the first token. Between two
+        pieces the other rows may step (``step_rows`` runs on the batch ring, the prompt is read into the
+        one-sequence ring); one prompt is read at a time, and nothing else reads one until it is done."""
         with self.running():
             self.reset()
-            token, _ = self.prefill(prompt_ids)
+        pieces = self.pieces_of(prompt_ids)
+        for k in range(pieces):
+            with self.running():
+                token, _ = self.read_one(prompt_ids, k)
+            if k < pieces - 1:
+                yield None
+        with self.running():
             self.batch_ring.take_row(row, self.ring)
             self.row_token[row] = token[0]
             self.row_position[row] = len(prompt_ids)
             self.row_busy[row] = 1
         self.row_at[row] = len(prompt_ids)
-        return token
+        yield token
 
     def release(self, row: int) -> None:
         """Frees ``row``: it keeps stepping in place (its own slots only, its position held) until admitted again."""

@@ -281,7 +281,8 @@ def serve_while(
     ``clients(url, model id, worker)`` runs on a client thread; this thread built the engine, so it is the
     one that serves. Returns what ``clients`` returned, what the server said of the engine, and the worker."""
     served = describe_engine(cell.opened, cell.cfg.model.name, cell.load_s, warmup_s, read_every)
-    worker = make_worker(cell.engine, Metrics(), read_every, cell.cfg.serve.max_batch)
+    serve = cell.cfg.serve
+    worker = make_worker(cell.engine, Metrics(), read_every, serve.max_batch, serve.prompt_read)
     with running(create_app(served, worker, cell.opened)) as url, ThreadPoolExecutor(1, "decodebench-client") as pool:
         parts = pool.submit(clients, url, served.model_id, worker)
         worker.serve_until(parts.done)

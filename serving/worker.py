@@ -29,14 +29,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from uuid import uuid4
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from decodebench.config import ConfigError
+from decodebench.config import ConfigError, PromptRead
 from engines.base import Engine, Generation
 from serving.text import Scores, StopRule, TextStream
 
@@ -288,20 +288,38 @@ class Row:
     finish: str | None = None
 
 
+@dataclass
+class Reading:
+    """A job whose prompt is being read into a free row, a piece at a time (``Engine.admitting``)."""
+
+    job: Job
+    index: int  # the row it will take
+    started: float  # perf_counter when the read began
+    pieces: Iterator[Any]
+
+
 class BatchWorker(EngineWorker):
     """Continuous batching over an engine that ``joins``: up to ``rows`` jobs decode together, one step making a
-    token for each (a step runs the fewest rows that hold the busy ones; every such program compiled at start). A queued job joins at the next step: its prompt is read alone into a free row (between steps: the
-    other rows wait for that read), its first token sent at once; each step's tokens are read to the host and each
-    row's end checked there (its stop rule, its budget, its client gone), a finished row freed for the next job.
-    One client's cancel ends its row only. A job that asks for log-probabilities needs its call's logits: it waits
-    until the rows are empty and decodes alone (``EngineWorker.decode``).
+    token for each (a step runs the fewest rows that hold the busy ones; every such program compiled at start).
+    A queued job joins at the next step: its prompt is read alone into a free row, between steps (``prompt_read``:
+    ``whole``, all of it while the other rows wait; ``pieces``, one ``engine.piece`` between each two steps, so they
+    wait a piece a step and the joining job waits for their steps), its first token sent at once; each step's tokens
+    are read to the host and each row's end checked there (its stop rule, its budget, its client gone), a finished
+    row freed for the next job. One prompt is read at a time. One client's cancel ends its row (or its read) only.
+    A job that asks for log-probabilities needs its call's logits: it waits until the rows are empty and decodes alone
+    (``EngineWorker.decode``).
 
-    Timers per job: ``queue_s`` from submit to a row taking it; ``read_s`` its prompt read; ``decode_s`` from its
-    first token to its last on the host, other jobs' prompt reads in between included (what its client waited)."""
+    Timers per job: ``queue_s`` from submit to a row taking it (its read beginning); ``read_s`` its prompt read, other
+    rows' steps between its pieces included; ``decode_s`` from its first token to its last on the host, other jobs'
+    prompt reads in between included (what its client waited)."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, rows: int, keep: int = 256) -> None:
+    def __init__(
+        self, engine: Engine, metrics: Metrics, rows: int, prompt_read: PromptRead = PromptRead.whole, keep: int = 256
+    ) -> None:
         super().__init__(engine, metrics, 1, keep)
         self.rows: list[Row | None] = [None] * rows
+        self.prompt_read = prompt_read
+        self.reading: Reading | None = None
         self.peak_rows = 0  # the most rows busy at once so far
         engine.open_rows(rows, warm=True)
 
@@ -313,10 +331,10 @@ class BatchWorker(EngineWorker):
         self.owner = threading.current_thread().name
         held: Job | None = None  # a job decoded alone once the rows are empty
         while not done():
-            if held is not None and not any(self.rows):
+            if held is not None and not any(self.rows) and self.reading is None:
                 self.alone(held)
                 held = None
-            while held is None and None in self.rows:
+            while held is None and self.reading is None and None in self.rows:
                 try:
                     job = self.jobs.get(timeout=poll_s) if not any(self.rows) else self.jobs.get_nowait()
                 except queue.Empty:
@@ -326,26 +344,45 @@ class BatchWorker(EngineWorker):
                     held = job
                 else:
                     self.admit(job)
+            if self.reading is not None:
+                self.read_piece()
             if any(self.rows):
                 self.step()
-            self.busy = any(self.rows)
+            self.busy = any(self.rows) or self.reading is not None
             self.metrics.batch_rows.set(len(self.rows) - self.free_rows())
 
     def admit(self, job: Job) -> None:
-        """The job into a free row: its prompt read, its first token handed over."""
+        """The job's prompt read into a free row: all of it now, or (``prompt_read=pieces``) a piece before each
+        step from this one on (``serve_until``)."""
         index, started = self.rows.index(None), time.perf_counter()
         if job.cancel.is_set():  # a client that left while queued costs no prompt read
             self.close(Row(job, started, 0.0, started, self.ending(job), finish="cancelled"), index)
             return
+        self.reading = Reading(job, index, started, self.engine.admitting(index, job.prompt_ids))
+        while self.prompt_read == PromptRead.whole and self.reading is not None:
+            self.read_piece()
+
+    def read_piece(self) -> None:
+        """The next piece of the prompt being read; after its last, the job takes its row and its first token is
+        handed over. A client gone between pieces, or a failed read, ends the read and the job."""
+        reading = self.reading
+        job, index, started = reading.job, reading.index, reading.started
         try:
-            first = int(self.engine.admit(index, job.prompt_ids).item())
+            first = None if job.cancel.is_set() else next(reading.pieces)
         except Exception as exc:
+            self.reading = None
             self.close(Row(job, started, 0.0, started, self.ending(job), finish="error"), index, str(exc))
             return
-        now = time.perf_counter()
+        if job.cancel.is_set():
+            self.reading = None
+            self.close(Row(job, started, 0.0, started, self.ending(job), finish="cancelled"), index)
+            return
+        if first is None:
+            return
+        self.reading, now = None, time.perf_counter()
         self.rows[index] = row = Row(job, started, now - started, now, self.ending(job))
         self.peak_rows = max(self.peak_rows, len(self.rows) - self.free_rows())
-        self.take(index, row, first)
+        self.take(index, row, int(first.item()))
 
     def step(self) -> None:
         """One step of every row; each busy row's token to its job."""
@@ -407,12 +444,15 @@ class BatchWorker(EngineWorker):
         job.send(record)
 
 
-def make_worker(engine: Engine, metrics: Metrics, read_every: int, max_batch: int) -> EngineWorker:
+def make_worker(
+    engine: Engine, metrics: Metrics, read_every: int, max_batch: int, prompt_read: PromptRead = PromptRead.whole
+) -> EngineWorker:
     """The server's worker: one job at a time (``max_batch`` 1), or up to ``max_batch`` decoding together for an
-    engine whose rows join a running batch (``serve.max_batch``; refused by name for one whose do not)."""
+    engine whose rows join a running batch (``serve.max_batch``; refused by name for one whose do not), a joining
+    prompt read as ``prompt_read`` says."""
     if max_batch <= 1:
         return EngineWorker(engine, metrics, read_every)
     if not engine.joins:
         raise ConfigError(f"serve.max_batch={max_batch}: engine {engine.name} takes no request into a running batch "
                           "(serve.max_batch=1); the ring does")  # fmt: skip
-    return BatchWorker(engine, metrics, max_batch)
+    return BatchWorker(engine, metrics, max_batch, prompt_read)

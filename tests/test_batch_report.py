@@ -7,7 +7,7 @@ import pandas as pd
 
 from reports.tables.batch import batch_table, served_at_concurrency
 from reports.tables.cells import GROUP
-from reports.tables.load import LOAD_COLUMNS
+from reports.tables.load import LOAD_COLUMNS, serving
 from reports.uncertainty import sampled
 
 
@@ -46,16 +46,20 @@ def test_the_same_way_measured_by_other_code_is_a_scan_of_its_own_marked_with_it
 
 
 def test_the_servers_at_each_concurrency_are_told_apart_by_their_settings():
-    def level(file: str, config: str, c: int, rate: float, max_batch: int = 1) -> dict:
+    def level(file: str, config: str, c: int, rate: float, max_batch: int = 1, pieces: bool = False) -> dict:
+        serve = {"max_batch": max_batch, "prompt_read": "pieces" if pieces else "whole"}
         return {**dict.fromkeys(LOAD_COLUMNS), "file": file, "engine": "ring", "engine_config": config,
-                "weights": "int4", "max_batch": max_batch, "generator": "CPU 1 (server 0)", "model": "m",
+                "weights": "int4", "max_batch": max_batch, "serving": serving(serve), "generator": "CPU 1 (server 0)",
+                "model": "m",
                 "level": f"c{c}", "mode": "concurrency", "value": c, "output_tok_s": rate,
                 "ttft_p50": 1.0 / rate}  # fmt: skip
 
     load = pd.DataFrame([level("a", "last_piece=padded weights=int4", 1, 3.4, 4),
                          level("a", "last_piece=padded weights=int4", 4, 4.5, 4),
                          level("b", "last_piece=bucketed weights=int4", 1, 5.3, 4),
-                         level("b", "last_piece=bucketed weights=int4", 4, 7.7, 4)])  # fmt: skip
+                         level("b", "last_piece=bucketed weights=int4", 4, 7.7, 4),
+                         level("c", "last_piece=bucketed weights=int4", 4, 8.1, 4, pieces=True)])  # fmt: skip
     served = served_at_concurrency(load, [1, 2, 4])
-    assert list(served.way) == ["ring·bucketed (max_batch 4)", "ring·padded (max_batch 4)"]
-    assert list(served.c4) == [7.7, 4.5] and served.c2.isna().all()
+    assert list(served.way) == ["ring·bucketed (max_batch 4)", "ring·bucketed (max_batch 4, prompt read in pieces)",
+                                "ring·padded (max_batch 4)"]  # fmt: skip
+    assert list(served.c4) == [7.7, 8.1, 4.5] and served.c2.isna().all()

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decodebench import evidence
+from decodebench.config import PromptRead
 from engines.open import OpenEngine
 from reports import render
 from runner import run_cell
@@ -64,10 +65,12 @@ def load(cache_dir, engine: str, read_every: int = 1, *extra: str) -> OpenEngine
 
 
 @contextmanager
-def serving_engine(cache_dir, engine: str, *extra: str, max_batch: int = 1) -> Iterator[dict[str, Any]]:
+def serving_engine(
+    cache_dir, engine: str, *extra: str, max_batch: int = 1, prompt_read: str = "whole"
+) -> Iterator[dict[str, Any]]:
     """An engine (read every token) built, warmed and served on its own thread (``max_batch`` requests decoding
-    together); the app on another; both stopped whatever the caller raised. Yields ``url``, ``worker``, ``paced``
-    (the pacer), ``opened`` and ``served``."""
+    together, a joining prompt read as ``prompt_read`` says); the app on another; both stopped whatever the caller
+    raised. Yields ``url``, ``worker``, ``paced`` (the pacer), ``opened`` and ``served``."""
     ready, stop, state = threading.Event(), threading.Event(), {}
 
     def engine_thread() -> None:
@@ -78,7 +81,7 @@ def serving_engine(cache_dir, engine: str, *extra: str, max_batch: int = 1) -> I
             opened=built,
             paced=paced,
             served=describe_engine(built, MODEL, 0.0, 0.0, 1),
-            worker=make_worker(paced, Metrics(), 1, max_batch),
+            worker=make_worker(paced, Metrics(), 1, max_batch, PromptRead(prompt_read)),
         )
         ready.set()
         state["worker"].serve_until(stop.is_set)

@@ -75,7 +75,7 @@ def served_at_concurrency(load: pd.DataFrame, levels: list[int]) -> pd.DataFrame
     rows = []
     for file, cell in closed.groupby("file", sort=True):
         first = cell.iloc[0]
-        way = labels[file] + (f" (max_batch {first.max_batch})" if first.max_batch > 1 else "")
+        way = labels[file] + (f" ({first.serving})" if first.serving else "")
         at = cell.set_index("level")
         row = {"way": way, "model": first.model, "generator": first.generator, "file": file}
         for c in levels:

@@ -8,11 +8,12 @@ import pandas as pd
 
 from reports.tables.cells import engine_settings
 
-LOAD_COLUMNS = ["file", "engine", "engine_config", "weights", "max_batch", "generator", "model", "synthetic", "device",
-                "level", "mode", "value", "requests", "errors", "prompt_tokens", "prompt_cached", "output_tokens",
-                "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50",
-                "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue", "engine_tok_s",
-                "engine_over_bare", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s", "exports"]  # fmt: skip
+LOAD_COLUMNS = ["file", "engine", "engine_config", "weights", "max_batch", "serving", "generator", "model", "synthetic",
+                "device", "level", "mode", "value", "requests", "errors", "prompt_tokens", "prompt_cached",
+                "output_tokens", "request_rate", "output_tok_s", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50",
+                "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99", "queue_mean", "ttft_mean", "ttft_less_queue",
+                "engine_tok_s", "engine_over_bare", "goodput", "good_requests", "slo_ttft_s", "slo_tpot_s",
+                "exports"]  # fmt: skip
 
 
 def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -33,6 +34,7 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                     "engine_config": engine_settings(data["config"]["engine"]),
                     "weights": _weights(data["config"]["engine"]),
                     "max_batch": int((data["config"].get("serve") or {}).get("max_batch", 1)),
+                    "serving": serving(data["config"].get("serve") or {}),
                     "generator": generator(out.get("placement")),
                     "model": data["config"]["model"]["name"],
                     "synthetic": bool(data["model"].get("synthetic")),
@@ -65,6 +67,15 @@ def load_table(records: dict[str, dict[str, Any]]) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows, columns=LOAD_COLUMNS)
+
+
+def serving(serve: dict[str, Any]) -> str:
+    """How the server decoded its requests, where not one at a time: ``max_batch 4`` (continuous batching), and
+    ``prompt read in pieces`` where a joining prompt was read a piece between steps (``serve.prompt_read``)."""
+    if int(serve.get("max_batch", 1)) <= 1:
+        return ""
+    pieces = ", prompt read in pieces" if serve.get("prompt_read", "whole") == "pieces" else ""
+    return f"max_batch {serve['max_batch']}{pieces}"
 
 
 def generator(placement: dict[str, Any] | None) -> str:
