@@ -6,6 +6,8 @@ the graph and program counts are real while the suite stays fast.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from decodebench.device import Device, resolve_device
 from decodebench.layout import bucket_for, kv_sources
 from engines.int4 import Int4Embedding
 from engines.ring import RingEngine, grouped_attention
+from engines.stepping import frozen_model_guards
 from runner import run_cell, typed_config
 from tests.conftest import e2b_text_config, make_cfg, opened
 
@@ -217,3 +220,22 @@ def test_a_ring_with_a_dynamic_slot_count_is_refused_on_a_tpu_and_runs_elsewhere
     assert RingEngine.unsupported_reason(resolve_device("cpu", "torch"), run) is None
     bucketed = typed_config(make_cfg("engine=ring", "engine.attend=filled"))
     assert RingEngine.unsupported_reason(tpu, bucketed) is None
+
+
+def test_a_compiled_step_guards_the_engines_state_and_not_the_frozen_model():
+    """The guards kept: the engine's own (the ring's tensors and bucket), globals, and aliasing checks on the model;
+    dropped: the model's module tree, weights and config, which do not change once it is loaded."""
+    entries = [SimpleNamespace(name=name, guard_type=kind) for name, kind in [
+        ("self.model._modules['model']._modules['norm']", "TYPE_MATCH"),
+        ("self.model._modules['model']._modules['layers']._modules['3']._forward_hooks", "EMPTY_NN_MODULE_HOOKS_DICT"),
+        ("self.model._modules['lm_head']._parameters['weight']", "TENSOR_MATCH"),
+        ("self.model.config.__dict__['sliding_window']", "CONSTANT_MATCH"),
+        ("self.model", "TYPE_MATCH"),
+        ("self.model._modules['model']._modules['layers']._modules['0']._modules['self_attn'].forward.__func__",
+         "DUPLICATE_INPUT"),
+        ("self.ring.k[0]", "TENSOR_MATCH"),
+        ("self.ring.bucket", "CONSTANT_MATCH"),
+        ("self.model_like", "TYPE_MATCH"),
+        ("G['torch'].is_grad_enabled", "GRAD_MODE"),
+    ]]  # fmt: skip
+    assert frozen_model_guards(entries) == [False] * 5 + [True] * 5
