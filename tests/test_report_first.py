@@ -166,7 +166,7 @@ def test_every_plot_the_report_makes_fits_its_canvas_with_long_labels(tmp_path, 
     rows = _decode_rows(12)
     lines = rows.assign(way_label=[r.split("·")[0] + f"·{i % 3}" for i, r in enumerate(rows.way_label)])
     load = pd.DataFrame([{**dict.fromkeys(LOAD_COLUMNS), "file": f"f{k}", "engine": "llamacpp", "weights": "q4_0",
-                          "max_batch": 1, "model": "e2b-synthetic", "device": "cpu", "level": f"c{c}",
+                          "max_batch": 1, "serving": "", "model": "e2b-synthetic", "device": "cpu", "level": f"c{c}",
                           "output_tok_s": 2.0 * c, "ttft_p50": 0.5 * c, "tpot_p50": 0.1, "slo_ttft_s": 2.0,
                           "slo_tpot_s": 0.1}
                          for k in range(3) for c in (1, 2, 4)])  # fmt: skip
