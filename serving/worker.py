@@ -364,7 +364,8 @@ class BatchWorker(EngineWorker):
 
     def read_piece(self) -> None:
         """The next piece of the prompt being read; after its last, the job takes its row and its first token is
-        handed over. A client gone between pieces, or a failed read, ends the read and the job."""
+        handed over (a client gone by then ends the row there, ``take``). A client gone between pieces, or a failed
+        read, ends the read and the job."""
         reading = self.reading
         job, index, started = reading.job, reading.index, reading.started
         try:
@@ -373,7 +374,7 @@ class BatchWorker(EngineWorker):
             self.reading = None
             self.close(Row(job, started, 0.0, started, self.ending(job), finish="error"), index, str(exc))
             return
-        if job.cancel.is_set():
+        if first is None and job.cancel.is_set():  # gone before its last piece: the row was never its
             self.reading = None
             self.close(Row(job, started, 0.0, started, self.ending(job), finish="cancelled"), index)
             return

@@ -103,6 +103,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.log: list[str] = []
+        self.gone_as_read: tuple[int, threading.Event] | None = None  # set as that row's last piece is read
 
     def open_rows(self, rows: int, warm: bool = False) -> None:
         self.rows = rows
@@ -112,6 +113,8 @@ class Recorder:
             self.log.append(f"piece {row}")
             if k + 2 < len(ids):
                 yield None
+        if self.gone_as_read is not None and self.gone_as_read[0] == row:
+            self.gone_as_read[1].set()
         yield torch.tensor([[7]])
 
     def step_rows(self) -> torch.Tensor:
@@ -122,22 +125,24 @@ class Recorder:
         self.log.append(f"release {row}")
 
 
-def two_jobs(read: str, leave: bool = False) -> tuple[list[str], dict[str, tuple[int, str]]]:
+def two_jobs(read: str, leave: str | None = None) -> tuple[list[str], dict[str, tuple[int, str]]]:
     """Job A (2 ids: one piece, 4 tokens) decodes on a 2-row worker; job B (6 ids: three pieces, 2 tokens) joins after
-    A's first step (``leave``: B's client goes once its first piece is read). What the engine ran, in order, and each
-    job's tokens and finish."""
+    A's first step (``leave``: B's client goes once its first piece is read, ``between``, or as its last is, ``last``).
+    What the engine ran, in order, and each job's tokens and finish."""
     engine, loop = Recorder(), asyncio.new_event_loop()
     worker = make_worker(engine, Metrics(), 1, 2, PromptRead(read))
     rule = StopRule(frozenset(), ignore_eos=True)
     first, second = Job([2, 3], 4, "completions", loop, rule), Job([2, 3, 4, 5, 6, 7], 2, "completions", loop, rule)
     worker.submit(first)
+    if leave == "last":
+        engine.gone_as_read = (1, second.cancel)  # B's row
     rounds = []
 
     def done() -> bool:
         rounds.append(1)
         if engine.log.count("step") == 1 and not second.submitted:
             worker.submit(second)
-        if leave and engine.log.count("piece 1") == 1:
+        if leave == "between" and engine.log.count("piece 1") == 1:
             second.cancel.set()
         return len(worker.records) == 2 or len(rounds) > 50
 
@@ -160,8 +165,11 @@ def test_a_joining_prompt_is_read_whole_or_a_piece_between_steps(read, order):
 
 
 def test_a_client_gone_while_its_prompt_is_read_ends_that_read_only():
-    log, finished = two_jobs("pieces", leave=True)
+    log, finished = two_jobs("pieces", leave="between")
     assert log == ["piece 0", "step", "piece 1", "step", "step", "release 0"]  # B never takes a row
+    assert finished == {"A": (4, "length"), "B": (0, "cancelled")}
+    log, finished = two_jobs("pieces", leave="last")  # the engine gave B its row: freed at once, never stepped
+    assert log == ["piece 0", "step", "piece 1", "step", "piece 1", "step", "release 0", "piece 1", "release 1"]
     assert finished == {"A": (4, "length"), "B": (0, "cancelled")}
 
 
