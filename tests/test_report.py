@@ -852,6 +852,13 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         assert (ratio.value, ratio.low, ratio.high) == pytest.approx(by_hand(samples, q4)), way
         assert rows.loc[way].decode.value == statistics.median(samples)
     assert rows.loc["ring·int4"].x_shown == "1.48x [1.36, 1.60] n=2/2"  # 62/42, 60/44, 64/40
+    # at its own precision: the int4 way over llama.cpp q4_0, the dense one over vLLM (q8_0 is int8: a class alone)
+    assert list(rows.precision) == ["int4", "int8", "int4", "dense", "dense"]
+    assert rows.loc["ring·int4"].x_same_shown == "1.48x [1.36, 1.60] n=2/2 (llama.cpp q4_0)"
+    same = rows.loc["ring·dense"].x_same_precision.interval
+    assert (same.value, same.low, same.high) == pytest.approx(by_hand(dense, vllm))
+    assert rows.loc["ring·dense"].same_precision_peer == "vLLM"
+    assert [rows.loc[w].x_same_shown for w in ("llama.cpp q8_0", "llama.cpp q4_0", "vLLM")] == ["–"] * 3
     assert list(rows.verdict) == ["VALID", "INVALID: its parity check failed", "VALID", "VALID", "VALID"]
     assert (rows.loc["llama.cpp q4_0"].startup_s, rows.loc["vLLM"].startup_s, rows.loc["ring·int4"].startup_s) == (
         12.5, 38.0, 1.0)  # fmt: skip
@@ -876,10 +883,11 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert peers.count("\n### ") == 1 and f"### {table.title}" in peers and "### other" not in peers
     assert table.verdict in peers
     int4_line = (
-        "| ring·int4 | weights=int4 | bfloat16 | 62.00 [60.00, 64.00] n=2 | 1.48x [1.36, 1.60] n=2/2 | 1.0 | 1.25 |"
+        "| ring·int4 | weights=int4 | bfloat16 | 62.00 [60.00, 64.00] n=2 | 1.48x [1.36, 1.60] n=2/2 | 1.48x [1.36, "
+        "1.60] n=2/2 (llama.cpp q4_0) | 1.0 | 1.25 |"
     )
     q4_line = (
-        "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
+        "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
     )
     assert f"{int4_line} VALID |" in peers and f"{q4_line} 1.50 GB |" in peers
 

@@ -32,9 +32,9 @@ from reports.verdicts import VALID
 PEER_GROUP = ["model", "synthetic", "device", "hardware", "fingerprint", "context", "max_new_tokens", "batch",
               "prompt_tokens"]  # fmt: skip
 PEER_COLUMNS = ["decode_row", "way", "peer", "engine", "engine_config", "dtype", "precision", "decode",
-                "decode_values", "x_fastest_peer", "x_shown", "startup_s", "memory_peak_bytes", "verdict", "weights",
-                "files"]  # fmt: skip
-DENSE, INT4 = "dense", "int4"
+                "decode_values", "x_fastest_peer", "x_shown", "x_same_precision", "same_precision_peer",
+                "x_same_shown", "startup_s", "memory_peak_bytes", "verdict", "weights", "files"]  # fmt: skip
+DENSE, INT4, INT8 = "dense", "int4", "int8"
 ALL_LINEARS = "all linears"  # ``reports.method.kept_4bit``: every linear held 4-bit
 NOT_A_PEER = "–"  # the fastest peer's own ratio cell
 
@@ -80,12 +80,45 @@ def peer_tables(
             [_row(r, blocks[r.name], fastest_peer, floor, records) for r in shown], columns=PEER_COLUMNS
         )
         rows["way"] = _unique_ways(list(rows.way), shown)
+        _same_precision(rows, shown, peers, floor)
         rate = [-(r.decode_median if r.n > 0 else float("-inf")) for r in shown]  # fastest first, unmeasured last
         rows = rows.assign(_rate=rate).sort_values(["_rate", "way"]).drop(columns="_rate").reset_index(drop=True)
         peer_way = None if fastest_peer is None else rows.way[rows.decode_row == fastest_peer.name].iloc[0]
         verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways))
         tables.append(PeerTable(_title(where), where["model"], where["device"], rows, peer_way, verdict))
     return tables
+
+
+def _same_precision(rows: pd.DataFrame, shown: list[pd.Series], peers: list[pd.Series], floor: float | None) -> None:
+    """Each row's median over the fastest peer of its own precision (``x_same_precision``; the fastest VALID one,
+    else the fastest), named in ``same_precision_peer`` (marked where it is not VALID) and shown in ``x_same_shown``:
+    the int4 ring over llama.cpp q4_0, the dense ways over llama.cpp bf16, not over another precision's peer."""
+    for i, row in enumerate(shown):
+        same = [p for p in peers if p.name != row.name and rows.precision[_at(shown, p)] == rows.precision[i]]
+        valid = _fastest([p for p in same if p.verdict == VALID])
+        peer = valid if valid is not None else _fastest(same)
+        if peer is None or row.n == 0:
+            continue
+        ratio = uncertainty.ratio(row.decode_values, peer.decode_values, floor)
+        name = rows.way[_at(shown, peer)] + ("" if peer.verdict == VALID else f", {peer.verdict}")
+        rows.at[i, "x_same_precision"], rows.at[i, "same_precision_peer"] = ratio, name
+        rows.at[i, "x_same_shown"] = f"{ratio.text()} ({name})"
+
+
+def _at(shown: list[pd.Series], row: pd.Series) -> int:
+    """The position of ``row`` among the shown rows."""
+    return next(i for i, r in enumerate(shown) if r.name == row.name)
+
+
+def _precision(row: pd.Series, block: dict[str, Any]) -> str:
+    """The row's precision class: a llama.cpp file's by its quantization (``q4_*`` int4, ``q8_*`` int8, else dense),
+    any other row's by its method key (``precision``)."""
+    quant = str((block.get("weights") or {}).get("quant") or "") if block.get("peer") else ""
+    if quant.startswith("q4"):
+        return INT4
+    if quant.startswith("q8"):
+        return INT8
+    return DENSE if quant else precision(row.method)
 
 
 def _engine_block(row: pd.Series, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -148,11 +181,14 @@ def _row(
         "engine": row.engine,
         "engine_config": row.engine_config,
         "dtype": row["dtype"],
-        "precision": precision(row.method),
+        "precision": _precision(row, block),
         "decode": row.decode,
         "decode_values": row.decode_values,
         "x_fastest_peer": ratio,
         "x_shown": NOT_A_PEER if ratio is None else ratio.text(),
+        "x_same_precision": None,
+        "same_precision_peer": None,
+        "x_same_shown": NOT_A_PEER,
         "startup_s": _startup(row, records) if peer else row.load_s,
         "memory_peak_bytes": row.memory_peak,
         "verdict": _short_verdict(row),
