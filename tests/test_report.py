@@ -892,6 +892,30 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert f"{int4_line} VALID |" in peers and f"{q4_line} 1.50 GB |" in peers
 
 
+def test_a_way_is_set_beside_its_precisions_peer_even_when_that_peer_is_not_valid(tmp_path):
+    """llama.cpp q4_0 fails parity (its verdict INVALID), yet it is the int4 peer a user would run: the int4 way's
+    same-precision ratio is over it, marked; the fastest-peer ratio is over the VALID bf16 one."""
+    q4, bf16, int4 = (40.0, 44.0), (10.0, 11.0), (60.0, 64.0)
+    write(
+        tmp_path,
+        cell_record("ring", experiment="parity", settings={"weights": "int4"}),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "q4_0"}, verdict="fail"),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "bf16"}),
+        cell_record("ring", int4, settings={"weights": "int4"}),
+        peer_record("llamacpp", q4, quant="q4_0"),
+        peer_record("llamacpp", bf16, quant="bf16"),
+    )
+    ev, _, decode = judged(tmp_path)
+    (table,) = peer_tables(decode, ev.records)
+    rows = table.rows.set_index("way")
+    assert list(rows.precision) == ["int4", "int4", "dense"]
+    assert rows.loc["ring·int4"].same_precision_peer == "llama.cpp q4_0, INVALID"
+    same = rows.loc["ring·int4"].x_same_precision.interval
+    assert (same.value, same.low, same.high) == pytest.approx(by_hand(int4, q4))
+    fastest = rows.loc["ring·int4"].x_fastest_peer.interval
+    assert (fastest.value, fastest.low, fastest.high) == pytest.approx(by_hand(int4, bf16))
+
+
 def test_a_report_without_peers_says_so_and_renders_no_peers_table(tmp_path):
     write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring"))
     result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
