@@ -7,7 +7,9 @@ Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this 
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
 also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance), and records
 the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors), so the report can
-give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``).
+give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``), and the
+machine's streaming read just after it (``extra_info["read_gb_s"]``, ``hardware.read_now``), which the GB/s is a
+share of.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
+from decodebench import hardware
 from decodebench.device import resolve_device
 from engines import int4, one_row
 from tests.conftest import e2b_text_config
@@ -91,5 +94,7 @@ def test_linear(benchmark, device, shape, weights):
     benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights],
                                 bytes=held, copies=copies, threads=torch.get_num_threads())  # fmt: skip
     y = benchmark(call)
+    # what the machine's streaming read gave just after (a shared host's moves within minutes): the GB/s beside it
+    benchmark.extra_info["read_gb_s"] = hardware.read_now(device)["value"]
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -396,7 +396,8 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
         return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": {"device": "cpu", **held}}
 
     dense_bytes = 1536 * 12288 * 2  # what the dense call reads: 37.7 MB
-    benchmarks = [bench("dense", 2e-3, bytes=dense_bytes), bench("int4", 1e-3)]  # an older file: no bytes for int4
+    benchmarks = [bench("dense", 2e-3, bytes=dense_bytes, read_gb_s=25),  # the machine read 25 GB/s just after
+                  bench("int4", 1e-3)]  # an older file: no bytes for int4, no read
     data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": benchmarks}
     (tmp_path / "int4-linear.json").write_text(json.dumps(data))
     table = bench_table(tmp_path)
@@ -404,7 +405,8 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
     assert table.gb_s.iloc[0] == pytest.approx(18.874368) and pd.isna(table.gb_s.iloc[1])  # 37.7 MB in 2 ms
     text = render.environment().get_template("bench.md.j2").render(bench=table)  # as the report renders it
-    assert "| – | 2.000 | 18.9 | 10 |" in text and "| – | 1.000 | – | 10 |" in text  # threads not recorded
+    assert table.of_read.iloc[0] == pytest.approx(18.874368 / 25) and pd.isna(table.of_read.iloc[1])
+    assert "| – | 2.000 | 18.9 | 75 % | 10 |" in text and "| – | 1.000 | – | – | 10 |" in text  # threads not recorded
 
 
 # ---------------------------------------------------------------- synthetic evidence ---------------------------------

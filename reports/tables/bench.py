@@ -15,7 +15,9 @@ NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them 
 def bench_table(folder: Path) -> pd.DataFrame:
     """pytest-benchmark's JSON files (``make bench-int4``): one row per benchmark, median seconds and
     the dense/int4 ratio per shape on the same machine, and where the file records the bytes a call reads
-    (``extra_info["bytes"]``) the GB/s the kernel reaches alone (bytes over the median, 1e9 bytes a GB).
+    (``extra_info["bytes"]``) the GB/s the kernel reaches alone (bytes over the median, 1e9 bytes a GB), and where it
+    records the machine's streaming read just after the benchmark (``extra_info["read_gb_s"]``) that GB/s as a share of
+    it (``of_read``).
     Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
     (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``)."""
     rows = []
@@ -42,12 +44,14 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     else f"{1000 * bench['stats']['median']:.3f}",
                     "rounds": bench["stats"]["rounds"],
                     "gb_s": info.get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
+                    "read_gb_s": info.get("read_gb_s", float("nan")),
                     "data": rounds,
                 }
             )
     columns = ["file", "cpu", "device", "linear", "weights", "kernel", "threads", "median_s", "median_ms", "rounds",
-               "gb_s", "data"]  # fmt: skip
+               "gb_s", "read_gb_s", "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
+    table["of_read"] = table.gb_s / table.read_gb_s
     dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
         dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights != "dense" else None
