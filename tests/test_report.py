@@ -856,7 +856,7 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert rows.loc["ring·int4"].x_shown == "1.48x [1.36, 1.60] n=2/2"  # 62/42, 60/44, 64/40
     # at its own precision: the int4 way over llama.cpp q4_0, the dense one over vLLM (q8_0 is int8: a class alone)
     assert list(rows.precision) == ["int4", "int8", "int4", "dense", "dense"]
-    assert rows.loc["ring·int4"].x_same_shown == "1.48x [1.36, 1.60] n=2/2 (llama.cpp q4_0)"
+    assert rows.loc["ring·int4"].x_same_shown == "1.48x [1.36, 1.60] n=2/2 over llama.cpp q4_0"
     same = rows.loc["ring·dense"].x_same_precision.interval
     assert (same.value, same.low, same.high) == pytest.approx(by_hand(dense, vllm))
     assert rows.loc["ring·dense"].same_precision_peer == "vLLM"
@@ -870,12 +870,14 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert rows.loc["ring·int4"].weights.endswith("4-bit: all linears")
     assert table.verdict == (
         "The fastest VALID in-process way (ring·int4) decodes 1.48x [1.36, 1.60] n=2/2 the rate of the fastest "
-        "peer (llama.cpp q4_0): ahead of it."
+        "peer (llama.cpp q4_0): ahead of it. At its own precision: ring·int4 decodes 1.48x [1.36, 1.60] n=2/2 the rate "
+        "of llama.cpp q4_0; ring·dense decodes 0.87x [0.83, 0.91] n=2/2 the rate of vLLM."  # 31/35.5, 30/36, 32/35
     )
     (dense_only,) = peer_tables(decode[decode.engine_config != "weights=int4"], ev.records)
     assert dense_only.verdict == (  # 31/42, 30/44, 32/40
         "The fastest VALID in-process way (ring·dense) decodes 0.74x [0.68, 0.80] n=2/2 the rate of the fastest "
-        "peer (llama.cpp q4_0): behind it."
+        "peer (llama.cpp q4_0): behind it. At its own precision: ring·dense decodes 0.87x [0.83, 0.91] n=2/2 the rate "
+        "of vLLM."
     )
     assert peer_tables(decode[decode.model == "other"], ev.records) == []
 
@@ -886,7 +888,7 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert table.verdict in peers
     int4_line = (
         "| ring·int4 | weights=int4 | bfloat16 | 62.00 [60.00, 64.00] n=2 | 1.48x [1.36, 1.60] n=2/2 | 1.48x [1.36, "
-        "1.60] n=2/2 (llama.cpp q4_0) | 1.0 | 1.25 |"
+        "1.60] n=2/2 over llama.cpp q4_0 | 1.0 | 1.25 |"
     )
     q4_line = (
         "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
@@ -911,7 +913,7 @@ def test_a_way_is_set_beside_its_precisions_peer_even_when_that_peer_is_not_vali
     (table,) = peer_tables(decode, ev.records)
     rows = table.rows.set_index("way")
     assert list(rows.precision) == ["int4", "int4", "dense"]
-    assert rows.loc["ring·int4"].same_precision_peer == "llama.cpp q4_0, INVALID"
+    assert rows.loc["ring·int4"].same_precision_peer == "llama.cpp q4_0 (INVALID)"
     same = rows.loc["ring·int4"].x_same_precision.interval
     assert (same.value, same.low, same.high) == pytest.approx(by_hand(int4, q4))
     fastest = rows.loc["ring·int4"].x_fastest_peer.interval

@@ -84,7 +84,7 @@ def peer_tables(
         rate = [-(r.decode_median if r.n > 0 else float("-inf")) for r in shown]  # fastest first, unmeasured last
         rows = rows.assign(_rate=rate).sort_values(["_rate", "way"]).drop(columns="_rate").reset_index(drop=True)
         peer_way = None if fastest_peer is None else rows.way[rows.decode_row == fastest_peer.name].iloc[0]
-        verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways))
+        verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways)) + _at_own_precision(rows)
         tables.append(PeerTable(_title(where), where["model"], where["device"], rows, peer_way, verdict))
     return tables
 
@@ -100,9 +100,9 @@ def _same_precision(rows: pd.DataFrame, shown: list[pd.Series], peers: list[pd.S
         if peer is None or row.n == 0:
             continue
         ratio = uncertainty.ratio(row.decode_values, peer.decode_values, floor)
-        name = rows.way[_at(shown, peer)] + ("" if peer.verdict == VALID else f", {peer.verdict}")
+        name = rows.way[_at(shown, peer)] + ("" if peer.verdict == VALID else f" ({peer.verdict})")
         rows.at[i, "x_same_precision"], rows.at[i, "same_precision_peer"] = ratio, name
-        rows.at[i, "x_same_shown"] = f"{ratio.text()} ({name})"
+        rows.at[i, "x_same_shown"] = f"{ratio.text()} over {name}"
 
 
 def _at(shown: list[pd.Series], row: pd.Series) -> int:
@@ -236,6 +236,13 @@ def _title(where: dict[str, Any]) -> str:
         f"{where['model']} on {where['device']}{hardware}{synthetic}: context {where['context']}{n}{prompt}"
         f"{sequences}, env {where['fingerprint']}"
     )
+
+
+def _at_own_precision(rows: pd.DataFrame) -> str:
+    """A sentence setting each in-process way beside the fastest peer of its own precision, where there is one."""
+    ways = [r for r in rows.itertuples() if pd.isna(r.peer) and isinstance(r.x_same_precision, uncertainty.Ratio)]
+    parts = [f"{r.way} decodes {r.x_same_precision.text()} the rate of {r.same_precision_peer}" for r in ways]
+    return f" At its own precision: {'; '.join(parts)}." if parts else ""
 
 
 def _verdict(rows: pd.DataFrame, fastest_peer: pd.Series | None, peer: str | None, best: pd.Series | None) -> str:
