@@ -193,9 +193,8 @@ def load_curves(load: pd.DataFrame, out: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     for _, cell in load.groupby("file", sort=False):
         weights = cell.weights.iloc[0]
-        batch = [f"B≤{cell.max_batch.iloc[0]}"] if cell.max_batch.iloc[0] > 1 else []
-        batch += ["pieces"] if "pieces" in cell.serving.iloc[0] else []
-        label = SEPARATOR.join([cell.engine.iloc[0], *([weights] if isinstance(weights, str) else []), *batch])
+        serving = [cell.serving.iloc[0]] if cell.serving.iloc[0] else []  # max_batch and prompt_read, as the tables
+        label = SEPARATOR.join([cell.engine.iloc[0], *([weights] if isinstance(weights, str) else []), *serving])
         label += f" ({cell.model.iloc[0]}, {cell.device.iloc[0]})"
         for ax, column in zip(axes, ("ttft_p50", "tpot_p50"), strict=True):
             ax.plot(cell.output_tok_s, cell[column], marker="o", label=label)

@@ -93,21 +93,17 @@ def _same_precision(rows: pd.DataFrame, shown: list[pd.Series], peers: list[pd.S
     """Each row's median over the fastest peer of its own precision (``x_same_precision``; the fastest VALID one,
     else the fastest), named in ``same_precision_peer`` (marked where it is not VALID) and shown in ``x_same_shown``:
     the int4 ring over llama.cpp q4_0, the dense ways over llama.cpp bf16, not over another precision's peer."""
+    at = {row.name: i for i, row in enumerate(shown)}  # a decode row's position among the table's rows
     for i, row in enumerate(shown):
-        same = [p for p in peers if p.name != row.name and rows.precision[_at(shown, p)] == rows.precision[i]]
+        same = [p for p in peers if p.name != row.name and rows.precision[at[p.name]] == rows.precision[i]]
         valid = _fastest([p for p in same if p.verdict == VALID])
         peer = valid if valid is not None else _fastest(same)
         if peer is None or row.n == 0:
             continue
         ratio = uncertainty.ratio(row.decode_values, peer.decode_values, floor)
-        name = rows.way[_at(shown, peer)] + ("" if peer.verdict == VALID else f" ({peer.verdict})")
+        name = rows.way[at[peer.name]] + ("" if peer.verdict == VALID else f" ({peer.verdict})")
         rows.at[i, "x_same_precision"], rows.at[i, "same_precision_peer"] = ratio, name
         rows.at[i, "x_same_shown"] = f"{ratio.text()} over {name}"
-
-
-def _at(shown: list[pd.Series], row: pd.Series) -> int:
-    """The position of ``row`` among the shown rows."""
-    return next(i for i, r in enumerate(shown) if r.name == row.name)
 
 
 def _precision(row: pd.Series, block: dict[str, Any]) -> str:
