@@ -60,6 +60,11 @@ def streamers() -> list[str]:
     return sorted(name for name, cls in ENGINES.items() if cls.streams)
 
 
+def batchers() -> list[str]:
+    """The engines that decode several sequences in one step (``generate_batch``)."""
+    return sorted(name for name, cls in ENGINES.items() if cls.batches)
+
+
 def register_configs(cs: ConfigStore) -> None:
     for name, cls in ENGINES.items():
         node = OmegaConf.structured(cls.config(name=name))

@@ -8,6 +8,10 @@ Past the window that fix would write beyond the sliding layers' buffers (on the 
 TPU, Step 12), so the engine refuses such a cell instead.  Positions are device tensors, so the
 step compiles once.
 
+``generate_batch`` (``experiment.batch``) reads each prompt alone and copies it into a row of a batch StaticCache,
+right-aligned with the longest (the StaticCache counts one slot for every row, so a shorter prompt's first slots
+are its padding, masked), then steps every row at once; a sequence cannot join a running batch (the ring does).
+
 By default the model comes from decodebench's loader, which builds plain modules (nothing to
 unwrap; compressed-tensors' ``remove_dispatch`` runs if any wrapper is found).  With
 ``engine.remove_wrappers=false`` it comes from Transformers' own compressed-tensors path and the
@@ -18,6 +22,7 @@ counters give (``describe``).
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,6 +33,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from decodebench.checkpoint import PackedTable, load_reference
 from decodebench.config import ConfigError
+from engines.base import Generation
 from engines.generate import static_cache_bytes
 from engines.int4 import Weights
 from engines.one_row import OneRow
@@ -61,10 +67,37 @@ def static_cache(config: Any, slots: int) -> StaticCache:
     return cache
 
 
-def forward_logits(model: Any, cache: StaticCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Last-position logits [1, V] after ``ids`` [1, n] at ``positions`` [n] (device tensors), written to ``cache``."""
-    out = model(input_ids=ids, position_ids=positions[None], cache=cache, use_cache=True, logits_to_keep=1)
+def forward_logits(
+    model: Any, cache: StaticCache, ids: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Last-position logits [B, V] after ``ids`` [B, n] at ``positions`` [B, n] (device tensors), written to ``cache``
+    at its next n slots (one slot count for every row). ``padding``: [B, slots] bool, False at the slots before a row's
+    first token (a batch's left padding, masked), True from there on; None: no row is padded."""
+    out = model(input_ids=ids, position_ids=positions, attention_mask=padding, cache=cache, use_cache=True,
+                logits_to_keep=1)  # fmt: skip
     return out.logits[:, -1]
+
+
+def written(cache: StaticCache, like: StaticCache) -> list[tuple[StaticLayer, StaticLayer]]:
+    """The layers of two StaticCaches of one config that hold K/V buffers, paired (a KV-shared layer holds none)."""
+    return [(a, b) for a, b in zip(cache.layers, like.layers, strict=True) if isinstance(a, StaticLayer)]
+
+
+def rows_cache(single: StaticCache, config: Any, slots: int, rows: int) -> StaticCache:
+    """A StaticCache of ``rows`` sequences shaped as ``single`` (one sequence, already written), with the same fix."""
+    cache = static_cache(config, slots)
+    for layer, like in written(cache, single):
+        layer.lazy_initialization(like.keys.expand(rows, -1, -1, -1), like.values.expand(rows, -1, -1, -1))
+    return cache
+
+
+def take_row(rows: StaticCache, row: int, single: StaticCache, tokens: int, end: int) -> None:
+    """Copies the ``tokens`` slots ``single`` holds into ``rows``' row ``row`` so that they end at slot ``end``:
+    a shorter prompt is right-aligned with the longest (the slots before it are the row's padding)."""
+    for into, out in written(rows, single):
+        into.keys[row, :, end - tokens : end] = out.keys[0, :, :tokens]
+        into.values[row, :, end - tokens : end] = out.values[0, :, :tokens]
+        into.cumulative_length.fill_(end)
 
 
 @dataclass
@@ -96,6 +129,7 @@ class CompiledEngineConfig(SteppingEngineConfig):
 class CompiledEngine(SteppingEngine):
     name = "compiled"
     config = CompiledEngineConfig
+    batches = True
 
     def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
         if self.ctx.engine_cfg.remove_wrappers:
@@ -114,6 +148,8 @@ class CompiledEngine(SteppingEngine):
             remove_dispatch(self.model)
         self.wrapped_after = dispatch_wrapped(self.model)
         self.cache = static_cache(self.model.config, self.ctx.context)
+        self.batch_cache: StaticCache | None = None  # generate_batch's, a row per sequence (built at first use)
+        self.compiled_rows_step = self.compile(self.rows_step)
 
     @classmethod
     def limit(cls, config: Any, prompt_tokens: int, max_new_tokens: int) -> str | None:
@@ -133,19 +169,61 @@ class CompiledEngine(SteppingEngine):
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
-        last = forward_logits(self.model, self.cache, ids, torch.arange(len(prompt_ids), device=ids.device))
+        last = forward_logits(self.model, self.cache, ids, torch.arange(len(prompt_ids), device=ids.device)[None])
         return greedy(last), last
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = forward_logits(self.model, self.cache, token, position)
+        logits = forward_logits(self.model, self.cache, token, position[None])
         return greedy(logits), logits
+
+    def rows_step(
+        self, token: torch.Tensor, position: torch.Tensor, padding: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token a sequence of the batch cache: ``token`` [B, 1] at ``position`` [B, 1], ``padding`` [B, slots]
+        (``forward_logits``) -> the next [B, 1] and logits [B, V]."""
+        logits = forward_logits(self.model, self.batch_cache, token, position, padding)
+        return greedy(logits), logits
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """Each prompt read alone (``prefill``, the one-sequence programs) and its cache copied into a row of a batch
+        StaticCache, right-aligned so that every prompt ends at the longest one's last slot (the slots before a
+        shorter one are masked as padding: the StaticCache counts one slot for every row); then one compiled step
+        for every row at once (``rows_step``), each at its own position. Tokens stay on the device until the last
+        step. Phase timers as ``generate``'s: ``read_s`` from the call's start to the last first token ready,
+        ``decode_s`` from there to every token on the host."""
+        device, rows, longest = self.ctx.device.torch_device, len(prompts), max(map(len, prompts))
+        lengths = torch.tensor([len(ids) for ids in prompts], device=device)
+        with self.running():
+            self.ctx.device.sync()
+            start = time.perf_counter()
+            first_tokens = []
+            for row, ids in enumerate(prompts):
+                self.reset()
+                token, _ = self.prefill(ids)
+                if self.batch_cache is None or self.batch_cache.layers[0].batch_size != rows:
+                    self.batch_cache = rows_cache(self.cache, self.model.config, self.ctx.context, rows)
+                take_row(self.batch_cache, row, self.cache, len(ids), longest)
+                first_tokens.append(token)
+            token, position = torch.cat(first_tokens), lengths[:, None]
+            padding = torch.arange(self.ctx.context, device=device)[None] >= (longest - lengths)[:, None]
+            self.ctx.device.sync()
+            first = time.perf_counter()
+            made = [token]
+            for _ in range(max_new_tokens - 1):
+                token, _ = self.compiled_rows_step(token, position, padding)
+                position = position + 1
+                made.append(token)
+            tokens = torch.cat(made, dim=1).tolist()
+            self.ctx.device.sync()
+            end = time.perf_counter()
+        return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
 
     def cache_bytes(self) -> int | None:
         return static_cache_bytes(self.cache)
 
     def close(self) -> None:
         super().close()
-        self.cache = None
+        self.cache = self.batch_cache = self.compiled_rows_step = None
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -31,6 +31,7 @@ from typing import Any
 
 from decodebench.config import ExperimentConfig, at_least
 from decodebench.evidence import Record, memory_peaks, samples, scalar
+from engines import batchers
 from engines.base import EngineLimit, Generation
 from experiments.cell import Cell, MethodError, timed
 from experiments.common import Result, answer
@@ -192,7 +193,7 @@ def run_batch(cell: Cell, result: Result) -> Result:
         **memory_peaks(device.peak_memory()),
     )
     if cache is not None:
-        held = "sum of K/V buffer nbytes: a ring a sequence, and the one-sequence ring prompts are read into"
+        held = "sum of K/V buffer nbytes: a cache row a sequence, and the one-sequence cache prompts are read into"
         result.measurements["cache_bytes_from_shape"] = scalar(cache * (batch + 1), "B", method=held)
     result.samples.update(warm_1_s=warm_1, warm_n_s=warm_n)
     calls_made = batch + 1 + 2 * cfg.repeats
@@ -213,7 +214,8 @@ def run(cell: Cell, result: Result | None = None) -> Result:
     if getattr(cfg.experiment, "batch", 1) > 1:
         if not cell.opened.cls.batches:
             raise EngineLimit(f"engine {cell.opened.name} decodes one sequence at a time: experiment.batch="
-                              f"{cfg.experiment.batch} needs an engine that batches (ring, llamacpp)")  # fmt: skip
+                              f"{cfg.experiment.batch} needs an engine that batches "
+                              f"({', '.join(batchers())})")  # fmt: skip
         return run_batch(cell, result or Result())
     n = cfg.max_new_tokens
     result = result or Result()

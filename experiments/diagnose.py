@@ -113,11 +113,11 @@ def first_break(model: Any, ids: torch.Tensor, slots: int, backend: str) -> dict
     ``NO_BREAK`` when the step traced as one graph."""
     cache = static_cache(model.config, slots)
     n = ids.shape[1]
-    forward_logits(model, cache, ids, torch.arange(n, device=ids.device))
+    forward_logits(model, cache, ids, torch.arange(n, device=ids.device)[None])
     torch._dynamo.reset()
     step = torch.compile(partial(forward_logits, model, cache), backend=backend, fullgraph=True, dynamic=False)
     try:
-        step(ids[:, -1:], torch.tensor([n], device=ids.device))
+        step(ids[:, -1:], torch.tensor([[n]], device=ids.device))
     except torch._dynamo.exc.Unsupported as exc:
         frame = exc.real_stack[-1] if exc.real_stack else None
         return {

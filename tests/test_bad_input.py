@@ -6,7 +6,8 @@ from __future__ import annotations
 import huggingface_hub
 import pytest
 
-from runner import run_cell
+from runner import run_cell, typed_config
+from tests.conftest import REPO, make_cfg
 
 EMB4_HUB_ID = "xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4"  # model=e2b-w4a16's -emb4 twin
 
@@ -25,6 +26,14 @@ def test_a_negative_price_is_refused(cell_cfg):
     record = run_cell(cell_cfg("hardware=cpu", "hardware.price_usd_per_hour=-1"))
     assert record["status"] == "failed"
     assert "hardware.price_usd_per_hour=-1.0 must be positive" in record["reason"]
+
+
+@pytest.mark.parametrize("facts", sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml")))
+def test_every_hardware_facts_file_composes_and_a_price_names_its_source(facts):
+    hardware = typed_config(make_cfg(f"hardware={facts}")).hardware
+    assert hardware.name == facts
+    if hardware.price_usd_per_hour is not None:
+        assert len(hardware.price_source) > 40, f"hardware={facts}: a price with no source ({hardware.price_source!r})"
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,27 @@ def test_each_sequence_of_a_ragged_batch_writes_its_tokens_alone(ring):
     assert ring.generate(batch[2], N).tokens == alone[2]  # the one-sequence ring is the engine's again
 
 
+@pytest.mark.parametrize("name", ["compiled", "table4"])
+def test_the_static_cache_ways_batch_a_ragged_batch_each_sequence_as_alone(cache_dir, tiny, name):
+    """compiled and table4 read each prompt alone and step a batch StaticCache whose shorter prompts are left-padded
+    (masked): each sequence writes its tokens alone, through TorchDynamo (eager backend: the padding a step input)."""
+    engine = opened(f"cache_dir={cache_dir}", f"engine={name}", "context=256", "dtype=float32", "engine.backend=eager")
+    engine.load()
+    try:
+        built = engine.engine
+        batch = prompts([5, 50, 70])  # the longest + N stays inside tiny's 128-slot sliding window, as the engine needs
+        alone = [built.generate(ids, N).tokens for ids in batch]
+        assert len({tuple(a) for a in alone}) == 3
+        together = built.generate_batch(batch, N)
+        assert [g.tokens for g in together] == alone
+        assert all(g.decode_s > 0 and g.read_s > 0 for g in together)
+        assert [g.tokens for g in built.generate_batch(batch[1:], N)] == alone[1:]  # a batch of another size
+        assert [g.tokens for g in built.generate_batch(batch[::-1], N)] == alone[::-1]  # the longest first
+        assert built.generate(batch[0], N).tokens == alone[0]  # the one-sequence cache is the engine's again
+    finally:
+        engine.close()
+
+
 def test_a_step_runs_the_fewest_rows_that_hold_every_busy_one(ring):
     """Of 4 rows, a step runs the first 1, 2 or 4, whichever hold every busy row, and a row's tokens are its own
     whichever: row 0 decodes alone, then beside row 2 (4 rows stepped), then beside row 1 (2 rows)."""
