@@ -176,6 +176,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales_and_zeros", torch.stack(parts).contiguous().to(device))
 
+    @classmethod
+    def stacked(cls, parts: list[Int4Linear]) -> Int4Linear:
+        """One ``int4_rows`` linear whose outputs are ``parts``' side by side (``engines.joined``): their tiles and
+        tile scales in order. Every part computes with ``int4_rows``, of one input size and group size, and holds
+        whole tiles (``int4_cpu.TILE`` outputs each), so no padding lies between them."""
+        joined = cls.__new__(cls)
+        nn.Module.__init__(joined)
+        first = parts[0]
+        joined.out_features, joined.in_features = sum(p.out_features for p in parts), first.in_features
+        joined.group, joined.kind, joined.kernel = first.group, first.kind, first.kernel
+        joined.register_buffer("words", torch.cat([p.words for p in parts]))
+        joined.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        return joined
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.kind == "tpu":

@@ -48,6 +48,7 @@ from decodebench.config import Tables, at_least
 from decodebench.device import Device
 from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
 from engines.base import Generation
+from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 
 MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
@@ -222,14 +223,21 @@ def ring_attention(
     shared_kv_states: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``Gemma4TextAttention.forward`` over the ring: the module's own projections, norms and RoPE."""
+    """``Gemma4TextAttention.forward`` over the ring: the module's own projections (q, k and v joined where the engine
+    joined them), norms and RoPE."""
     batch, seq = hidden_states.shape[:2]
     shape = (batch, seq, -1, self.head_dim)
     cos, sin = position_embeddings
-    q = apply_rotary_pos_emb(self.q_norm(self.q_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
+    if self.is_kv_shared_layer:
+        q = self.q_proj(hidden_states)
+    elif hasattr(self, "qkv_proj"):  # joined (engines.joined)
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj_sizes, dim=-1)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q = apply_rotary_pos_emb(self.q_norm(q.view(shape)), cos, sin, unsqueeze_dim=2)
     if not self.is_kv_shared_layer:
-        k = apply_rotary_pos_emb(self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin, unsqueeze_dim=2)
-        v = self.v_norm(self.v_proj(hidden_states).view(shape))
+        k = apply_rotary_pos_emb(self.k_norm(k.view(shape)), cos, sin, unsqueeze_dim=2)
+        v = self.v_norm(v.view(shape))
         ring.write(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))
     keys, values = ring.read(self.layer_idx)
     if seq == 1:  # a decode step: fold the query heads (for a piece the G-times larger mask costs more)
@@ -282,6 +290,18 @@ class RingEngine(SteppingEngine):
 
     def dynamic_shapes(self) -> bool:
         return self.ctx.engine_cfg.attend == Attend.exact
+
+    def join_linears(self) -> int:
+        """q, k and v of each layer that writes its own K/V (its attention is ``ring_attention``), gate and up of
+        every MLP (``joined_mlp``)."""
+        joined = 0
+        for layer in self.model.model.layers:
+            if not layer.self_attn.is_kv_shared_layer:
+                joined += join(layer.self_attn, "qkv_proj")
+            if join(layer.mlp, "gate_up_proj"):
+                layer.mlp.forward = types.MethodType(joined_mlp, layer.mlp)
+                joined += 1
+        return joined
 
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece

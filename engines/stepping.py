@@ -146,6 +146,7 @@ class SteppingEngine(SteppedEngine):
         if self.int4 and "lm_head" not in linears and self.model.config.tie_word_embeddings:
             linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
+        self.joined_linears = self.join_linears()
         self.row_linears = 0
         self.one_row_choice = None
         if self.takes_one_row():
@@ -188,6 +189,11 @@ class SteppingEngine(SteppedEngine):
         """Whether a compiled program may take a dimension that changes from call to call (one program for
         every length) instead of one program per shape."""
         return False
+
+    def join_linears(self) -> int:
+        """Joins linears that read one input into one product where the engine's own forward calls them so
+        (``engines.joined``), before ``engine.one_row`` decides the dense ones' call; how many joined linears."""
+        return 0
 
     def takes_one_row(self) -> bool:
         """Whether ``engine.one_row`` may change this engine's linears (not on a path kept as Transformers has it)."""
@@ -249,6 +255,7 @@ class SteppingEngine(SteppedEngine):
             "inductor": self.inductor_options(),
             "one_row": str(self.one_row_choice.one_row if self.row_linears else OneRow.linear),
             "one_row_linears": self.row_linears,
+            "joined_linears": self.joined_linears,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             "cpu_kernel_threads": cpu_kernels.threads() if self.uses_cpu_kernels() else None,
             "read_every": self.ctx.read_every,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 WEIGHT_KINDS = {
-    "weights: attention projections": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "weights: MLP": ("gate_proj", "up_proj", "down_proj"),
+    "weights: attention projections": ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"),
+    "weights: MLP": ("gate_proj", "up_proj", "gate_up_proj", "down_proj"),
     "weights: per-layer inputs": ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"),
     "logits and argmax": ("lm_head",),
 }

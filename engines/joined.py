@@ -1,0 +1,62 @@
+"""Linears that read one input, joined into one product (gpt-fast's ``wqkv``): a decode step calls one operator for
+an attention layer's q, k and v (``qkv_proj``) and one for an MLP's gate and up (``gate_up_proj``) where it called
+three and two, each joined weight read front to back in one pass.
+
+On a 2-core CPU a decode step is hundreds of products, and each costs a floor before it reads a byte (the call, the
+threads' start, the output's allocation); E2B's small ones (k and v: 1536 -> 256) run far below the machine's read
+for it. Joining leaves 65 fewer calls a token (15 attention layers hold their own K/V, 35 MLPs) and larger products.
+
+Each output is computed as it was: its own row of the weight, the same sums in the same order. Joined where every
+part is a plain ``nn.Linear`` without a bias (weights stacked; ``engine.one_row`` then decides the joined linear's
+one-row call like any other) or an ``Int4Linear`` on ``int4_rows`` (tiles stacked: 16 outputs a tile, so each part's
+outputs a whole number of tiles); other kinds (aten's int4 kernels, the TPU's unpack) stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines import int4_cpu
+from engines.int4 import Int4Linear
+
+JOINED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stacked(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear whose outputs are ``parts``' outputs side by side, in order, or None where they cannot be joined
+    (another kind, other input sizes or group sizes, outputs that are not whole tiles, a bias)."""
+    first = parts[0]
+    if any(p.in_features != first.in_features for p in parts):
+        return None
+    if all(type(p) is nn.Linear and p.bias is None and "forward" not in vars(p) for p in parts):
+        joined = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=False, device="meta")
+        joined.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        return joined
+    if all(isinstance(p, Int4Linear) and p.kernel == int4_cpu.OP and p.group == first.group
+           and p.out_features % int4_cpu.TILE == 0 for p in parts):  # fmt: skip
+        return Int4Linear.stacked(parts)
+    return None
+
+
+def join(module: nn.Module, name: str) -> bool:
+    """Replaces ``module``'s linears ``JOINED[name]`` with one linear ``name`` and records their output sizes as
+    ``<name>_sizes`` (what the caller splits the joined output by); False, and nothing changed, where they cannot
+    be joined."""
+    parts = [getattr(module, part) for part in JOINED[name]]
+    joined = stacked(parts)
+    if joined is None:
+        return False
+    for part in JOINED[name]:
+        delattr(module, part)
+    setattr(module, name, joined)
+    setattr(module, f"{name}_sizes", [p.out_features for p in parts])
+    return True
+
+
+def joined_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``Gemma4TextMLP.forward`` with its gate and up products joined (``gate_up_proj``)."""
+    gate, up = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
