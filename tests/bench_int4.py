@@ -1,7 +1,9 @@
 """``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, ``torch.mv``: what
 ``engine.one_row=mv`` calls on one row, and ``dense-rows``, the project's ``bf16_rows``: ``engine.one_row=rows``)
 against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows`` on a CPU with AVX-512 BF16; and
-``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark.
+``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark. ``FLOOR``, a weight of one
+tile, times what a call costs before it reads anything (the call, the threads' start, the output), which the report
+takes from each kernel's other medians.
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
@@ -23,19 +25,29 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench import hardware
 from decodebench.device import resolve_device
 from engines import int4, one_row
+from engines.joined import JOINED
 from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
 
 
 def e2b_linear_shapes() -> list[tuple[int, int]]:
     """Every distinct [out, in] of E2B's linears (sliding and full attention, single and double-wide MLPs,
-    per-layer projections, lm_head), read off Transformers' model built on the meta device from E2B's text config."""
+    per-layer projections, lm_head) and of those the ring joins (``engines.joined``: q, k and v where a layer writes
+    its own K/V, gate and up), read off Transformers' model built on the meta device from E2B's text config."""
     with torch.device("meta"):
         model = Gemma4ForCausalLM(e2b_text_config())
-    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    for layer in model.model.layers:
+        qkv = () if layer.self_attn.is_kv_shared_layer else JOINED["qkv_proj"]
+        for module, parts in ((layer.self_attn, qkv), (layer.mlp, JOINED["gate_up_proj"])):
+            if parts:
+                weights = [getattr(module, part).weight for part in parts]
+                shapes.add((sum(w.shape[0] for w in weights), weights[0].shape[1]))
+    return sorted(shapes)
 
 
-SHAPES = e2b_linear_shapes()
+FLOOR = (16, 64)  # one tile of outputs (2 KB bf16, 0.6 KB int4): a call that reads next to nothing, what any call costs
+SHAPES = [*e2b_linear_shapes(), FLOOR]
 KERNELS = {"dense": "F.linear", "dense-mv": "torch.mv"}
 
 

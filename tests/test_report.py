@@ -391,22 +391,27 @@ def test_an_int4_cell_is_credited_with_int4_bytes_only():
 
 
 def test_bench_table_reads_pytest_benchmark_json(tmp_path):
-    def bench(weights: str, median: float, **held: int) -> dict:
-        params = {"shape": [1536, 12288], "weights": weights}
+    def bench(weights: str, median: float, shape: tuple[int, int] = (1536, 12288), **held: int) -> dict:
+        params = {"shape": list(shape), "weights": weights}
         return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": {"device": "cpu", **held}}
 
     dense_bytes = 1536 * 12288 * 2  # what the dense call reads: 37.7 MB
     benchmarks = [bench("dense", 2e-3, bytes=dense_bytes, read_gb_s=25),  # the machine read 25 GB/s just after
-                  bench("int4", 1e-3)]  # an older file: no bytes for int4, no read
+                  bench("int4", 1e-3),  # an older file: no bytes for int4, no read
+                  bench("dense", 0.4e-3, (16, 64), bytes=2048)]  # one tile: what any dense call costs
     data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": benchmarks}
     (tmp_path / "int4-linear.json").write_text(json.dumps(data))
     table = bench_table(tmp_path)
-    assert list(table.linear) == ["1536x12288"] * 2
+    assert list(table.linear) == ["1536x12288"] * 2 + ["16x64"]
     assert table.x_dense.iloc[1] == pytest.approx(2.0) and pd.isna(table.x_dense.iloc[0])
     assert table.gb_s.iloc[0] == pytest.approx(18.874368) and pd.isna(table.gb_s.iloc[1])  # 37.7 MB in 2 ms
     text = render.environment().get_template("bench.md.j2").render(bench=table)  # as the report renders it
     assert table.of_read.iloc[0] == pytest.approx(18.874368 / 25) and pd.isna(table.of_read.iloc[1])
-    assert "| – | 2.000 | 18.9 | 75 % | 10 |" in text and "| – | 1.000 | – | – | 10 |" in text  # threads not recorded
+    # past the floor: 37.7 MB in the 1.6 ms the call takes past the 0.4 a one-tile call takes; int4 has no floor
+    assert table.past_floor_gb_s.iloc[0] == pytest.approx(dense_bytes / 1.6e-3 / 1e9) and pd.isna(table.floor_s.iloc[1])
+    assert pd.isna(table.past_floor_gb_s.iloc[2])  # the floor's own row reads next to nothing: no rate past itself
+    assert "| – | 2.000 | 18.9 | 75 % | 0.400 | 23.6 | 10 |" in text  # threads not recorded
+    assert "| – | 1.000 | – | – | – | – | 10 |" in text
 
 
 # ---------------------------------------------------------------- synthetic evidence ---------------------------------

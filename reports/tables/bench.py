@@ -9,6 +9,7 @@ import pandas as pd
 
 from reports.uncertainty import ratio, sampled, shown
 
+FLOOR = "16x64"  # tests/bench_int4.py's FLOOR: one tile of outputs, what a call costs before it reads anything
 NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them with --benchmark-save-data"
 
 
@@ -17,7 +18,8 @@ def bench_table(folder: Path) -> pd.DataFrame:
     the dense/int4 ratio per shape on the same machine, and where the file records the bytes a call reads
     (``extra_info["bytes"]``) the GB/s the kernel reaches alone (bytes over the median, 1e9 bytes a GB), and where it
     records the machine's streaming read just after the benchmark (``extra_info["read_gb_s"]``) that GB/s as a share of
-    it (``of_read``).
+    it (``of_read``). The same kernel's median on the ``FLOOR`` weight (a call that reads next to nothing) is each row's
+    ``floor_s``, and ``past_floor_gb_s`` the bytes over the median less that floor: the rate once a call has started.
     Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
     (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``)."""
     rows = []
@@ -43,15 +45,20 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     if rounds
                     else f"{1000 * bench['stats']['median']:.3f}",
                     "rounds": bench["stats"]["rounds"],
+                    "bytes": info.get("bytes", float("nan")),
                     "gb_s": info.get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
                     "read_gb_s": info.get("read_gb_s", float("nan")),
                     "data": rounds,
                 }
             )
     columns = ["file", "cpu", "device", "linear", "weights", "kernel", "threads", "median_s", "median_ms", "rounds",
-               "gb_s", "read_gb_s", "data"]  # fmt: skip
+               "bytes", "gb_s", "read_gb_s", "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     table["of_read"] = table.gb_s / table.read_gb_s
+    floor = table[table.linear == FLOOR].set_index(["file", "weights"]).median_s
+    table["floor_s"] = [floor.get((r.file, r.weights), float("nan")) for _, r in table.iterrows()]
+    past = table.median_s - table.floor_s
+    table["past_floor_gb_s"] = (table.bytes / past / 1e9).where((table.linear != FLOOR) & (past > 0))
     dense = table[table.weights == "dense"].set_index(["file", "linear"])
     table["x_dense"] = [
         dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights != "dense" else None
