@@ -136,9 +136,12 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
     assert mv["one_row"] == "mv" and linear["one_row"] == "linear" and linear["one_row_linears"] == 0
     assert auto["one_row"] == auto["one_row_choice"]["one_row"] and auto["one_row_choice"]["how"] != "set"
     # tiny: 6 layers of q, k, v, o, gate, up, down, per-layer gate and projection, less k, v on the KV-shared
-    # layers; the per-layer model projection and lm_head
+    # layers; the per-layer model projection and lm_head. The ring joins q, k, v (one linear for three) on the layers
+    # that hold their own K/V and gate, up (one for two) on every layer (engines/joined.py)
     layers, shared = 6, 2
-    assert mv["one_row_linears"] == 9 * layers - 2 * shared + 2
+    joined = 2 * (layers - shared) + layers if engine == "ring" else 0
+    assert mv["one_row_linears"] == 9 * layers - 2 * shared + 2 - joined
+    assert mv["joined_linears"] == (layers - shared + layers if engine == "ring" else 0)
     for setting, record in records.items():
         assert record["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"], setting
     assert mv["cpu_kernel_threads"] is None and linear["cpu_kernel_threads"] is None  # no product on the kernels
