@@ -22,7 +22,6 @@ counters give (``describe``).
 
 from __future__ import annotations
 
-import time
 import types
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,6 +37,7 @@ from engines.generate import static_cache_bytes
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
+from engines.steps import batch_call
 
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
 
@@ -188,14 +188,14 @@ class CompiledEngine(SteppingEngine):
         """Each prompt read alone (``prefill``, the one-sequence programs) and its cache copied into a row of a batch
         StaticCache, right-aligned so that every prompt ends at the longest one's last slot (the slots before a
         shorter one are masked as padding: the StaticCache counts one slot for every row); then one compiled step
-        for every row at once (``rows_step``), each at its own position. Tokens stay on the device until the last
-        step. Phase timers as ``generate``'s: ``read_s`` from the call's start to the last first token ready,
-        ``decode_s`` from there to every token on the host."""
+        for every row at once (``rows_step``), each at its own position; tokens and phase timers as
+        ``steps.batch_call`` keeps them."""
         device, rows, longest = self.ctx.device.torch_device, len(prompts), max(map(len, prompts))
         lengths = torch.tensor([len(ids) for ids in prompts], device=device)
-        with self.running():
-            self.ctx.device.sync()
-            start = time.perf_counter()
+        padding = torch.arange(self.ctx.context, device=device)[None] >= (longest - lengths)[:, None]
+        position = lengths[:, None]
+
+        def read() -> torch.Tensor:
             first_tokens = []
             for row, ids in enumerate(prompts):
                 self.reset()
@@ -204,19 +204,16 @@ class CompiledEngine(SteppingEngine):
                     self.batch_cache = rows_cache(self.cache, self.model.config, self.ctx.context, rows)
                 take_row(self.batch_cache, row, self.cache, len(ids), longest)
                 first_tokens.append(token)
-            token, position = torch.cat(first_tokens), lengths[:, None]
-            padding = torch.arange(self.ctx.context, device=device)[None] >= (longest - lengths)[:, None]
-            self.ctx.device.sync()
-            first = time.perf_counter()
-            made = [token]
-            for _ in range(max_new_tokens - 1):
-                token, _ = self.compiled_rows_step(token, position, padding)
-                position = position + 1
-                made.append(token)
-            tokens = torch.cat(made, dim=1).tolist()
-            self.ctx.device.sync()
-            end = time.perf_counter()
-        return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
+            return torch.cat(first_tokens)
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            nonlocal position
+            token, _ = self.compiled_rows_step(token, position, padding)
+            position = position + 1
+            return token
+
+        with self.running():
+            return batch_call(self.ctx.device.sync, read, step, max_new_tokens)
 
     def cache_bytes(self) -> int | None:
         return static_cache_bytes(self.cache)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources,
 from engines.base import Generation
 from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
+from engines.steps import batch_call
 
 MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
 MAX_PROGRAMS = 64  # compiled programs a bucketed ring keeps per function (more than 2 * log2(131328 / 16))
@@ -487,20 +487,10 @@ class RingEngine(SteppingEngine):
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """A row each (``open_rows``, ``admit``), then one step program for every row at once, each at its own
-        position (``step_rows``). Tokens stay on the device until the last step. Phase timers as ``generate``'s:
-        ``read_s`` from the call's start to the last first token ready, ``decode_s`` from there to every token on
-        the host."""
+        position (``step_rows``); tokens and phase timers as ``steps.batch_call`` keeps them."""
         self.open_rows(len(prompts))
-        self.ctx.device.sync()
-        start = time.perf_counter()
-        made = [torch.cat([self.admit(row, ids) for row, ids in enumerate(prompts)])]
-        self.ctx.device.sync()
-        first = time.perf_counter()
-        made += [self.step_rows() for _ in range(max_new_tokens - 1)]
-        tokens = torch.cat(made, dim=1).tolist()
-        self.ctx.device.sync()
-        end = time.perf_counter()
-        return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
+        read = lambda: torch.cat([self.admit(row, ids) for row, ids in enumerate(prompts)])  # noqa: E731
+        return batch_call(self.ctx.device.sync, read, lambda _: self.step_rows(), max_new_tokens)
 
     def cache_bytes(self) -> int | None:
         return self.ring.nbytes()

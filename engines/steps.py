@@ -65,6 +65,27 @@ def decode_loop(
     return tokens, kept
 
 
+def batch_call(
+    sync: Callable[[], None], read: Callable[[], torch.Tensor], step: Callable[[torch.Tensor], torch.Tensor],
+    max_new_tokens: int,
+) -> list[Generation]:
+    """A batched call's skeleton and phase timers (``generate_batch``): ``read()`` reads every prompt and gives their
+    first tokens [B, 1] on the device, ``step(tokens)`` the next [B, 1]; tokens stay on the device until the last
+    step. ``read_s`` from the call's start to the last first token ready, ``decode_s`` from there to every token on
+    the host (``sync()`` at each boundary)."""
+    sync()
+    start = time.perf_counter()
+    made = [read()]
+    sync()
+    first = time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        made.append(step(made[-1]))
+    tokens = torch.cat(made, dim=1).tolist()
+    sync()
+    end = time.perf_counter()
+    return [Generation(row, None, read_s=first - start, decode_s=end - first) for row in tokens]
+
+
 class SteppedEngine(Engine):
     """Reads the prompt once, then one step per new token; ``generate`` is the shared skeleton."""
 
