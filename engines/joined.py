@@ -6,10 +6,11 @@ On a 2-core CPU a decode step is hundreds of products, and each costs a floor be
 threads' start, the output's allocation); E2B's small ones (k and v: 1536 -> 256) run far below the machine's read
 for it. Joining leaves 65 fewer calls a token (15 attention layers hold their own K/V, 35 MLPs) and larger products.
 
-Each output is computed as it was: its own row of the weight, the same sums in the same order. Joined where every
-part is a plain ``nn.Linear`` without a bias (weights stacked; ``engine.one_row`` then decides the joined linear's
-one-row call like any other) or an ``Int4Linear`` on ``int4_rows`` (tiles stacked: 16 outputs a tile, so each part's
-outputs a whole number of tiles); other kinds (aten's int4 kernels, the TPU's unpack) stay as they are.
+Joined where every part is a plain ``nn.Linear`` without a bias (weights stacked; ``engine.one_row`` then decides the
+joined linear's one-row call like any other, and a library product may order an output's sums otherwise: bf16
+rounding at most) or an ``Int4Linear`` on ``int4_rows`` (tiles stacked: 16 outputs a tile, so each part's outputs a
+whole number of tiles; each output the same sums in the same order, bit for bit); other kinds (aten's int4 kernels,
+the TPU's unpack) stay as they are.
 """
 
 from __future__ import annotations
