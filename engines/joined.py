@@ -22,6 +22,7 @@ from torch import nn
 
 from engines import int4_cpu
 from engines.int4 import Int4Linear
+from engines.one_row import plain_linear
 
 JOINED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -32,7 +33,7 @@ def stacked(parts: list[nn.Module]) -> nn.Module | None:
     first = parts[0]
     if any(p.in_features != first.in_features for p in parts):
         return None
-    if all(type(p) is nn.Linear and p.bias is None and "forward" not in vars(p) for p in parts):
+    if all(plain_linear(p) and p.bias is None for p in parts):
         joined = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=False, device="meta")
         joined.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
         return joined

@@ -77,7 +77,12 @@ class Choice:
 def dense_linears(model: nn.Module) -> list[nn.Linear]:
     """The plain ``nn.Linear`` modules of ``model`` (not ``Int4Linear``, not a linear whose forward a wrapper
     replaced: compressed-tensors' dispatch, hooks): those whose one-row call ``engine.one_row`` decides."""
-    return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]
+    return [m for m in model.modules() if plain_linear(m)]
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass, not ``Int4Linear``) whose forward no wrapper replaced."""
+    return type(module) is nn.Linear and "forward" not in vars(module)
 
 
 def best_ms(fn: Any) -> float:
