@@ -204,11 +204,25 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def swap_linears(model: nn.Module, packed: dict[str, PackedTable], dtype: torch.dtype, device: torch.device) -> int:
-    """Replaces each packed linear (module path -> its weight) with an ``Int4Linear``; returns how many."""
+def split_packed(packed: dict[str, PackedTable], lookups: tuple[str, ...], tied: bool
+                 ) -> tuple[dict[str, PackedTable], dict[str, PackedTable]]:  # fmt: skip
+    """The loader's packed weights (module path -> weight) as (tables read by row, named by ``lookups``' leaf
+    names; linears). With ``engine.weights=int4`` and a tied checkpoint that stores no ``lm_head``, the linears
+    include ``lm_head`` over the token table (``tied``: the caller's config says the two are one)."""
+    tables = {p: w for p, w in packed.items() if p.rpartition(".")[2] in lookups}
+    linears = {p: w for p, w in packed.items() if p not in tables}
+    if "lm_head" not in linears and tied and "model.embed_tokens" in tables:
+        linears["lm_head"] = tables["model.embed_tokens"]  # tied: lm_head reads the same table
+    return tables, linears
+
+
+def swap_linears(model: nn.Module, packed: dict[str, PackedTable], dtype: torch.dtype, device: torch.device,
+                 kernel: str | None = None) -> int:  # fmt: skip
+    """Replaces each packed linear (module path -> its weight) with an ``Int4Linear`` computing with ``kernel``
+    (None: the device's choice, ``chosen``); returns how many."""
     for path, weight in packed.items():
         parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, dtype, device))
+        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, dtype, device, kernel=kernel))
     return len(packed)
 
 

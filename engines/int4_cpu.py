@@ -27,11 +27,12 @@ OP = "decodebench_int4.int4_rows"  # the operator's name as it is dispatched (an
 TILE, CHUNK = 16, 8  # outputs per tile, inputs per 64-byte chunk (csrc/int4_rows.cpp)
 
 
-def unsupported(dtype: torch.dtype, group: int) -> str | None:
-    """Why ``int4_rows`` cannot compute this weight here (another kernel does), or None."""
+def unsupported(dtype: torch.dtype, group: int | None) -> str | None:
+    """Why ``int4_rows`` cannot compute this weight here (another kernel does), or None; ``group`` None: any
+    weight, before the checkpoint's group size is read."""
     if dtype != torch.bfloat16:
         return f"it computes bf16 activations, this run's are {dtype}"
-    if group % CHUNK:
+    if group is not None and group % CHUNK:
         return f"it takes groups of a multiple of {CHUNK} inputs, this checkpoint's are {group}"
     if not built():
         return "it was not built here, or this CPU lacks AVX-512 BF16"

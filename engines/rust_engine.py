@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from decodebench.checkpoint import load_model
-from decodebench.config import ConfigError, EngineConfig, at_least
+from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import full_slots, kv_sources, ring_slots
-from engines import one_row
+from engines import int4, int4_cpu, one_row
 from engines.base import Engine, Generation, OnTokens
+from engines.int4 import Int4Embedding, Int4Linear, Weights
 from engines.one_row import OneRow
 
 
@@ -30,17 +31,25 @@ class RustEngineConfig(EngineConfig):
     compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
     which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is the faster of ``at::mv`` and
     the matrix product on this CPU, measured on the model's shapes,
-    ``at::linear`` elsewhere; ``rows``, the Python engines' own kernel, is refused by name)."""
+    ``at::linear`` elsewhere; ``rows``, the Python engines' own kernel, is refused by name). ``weights``:
+    ``dense``, or ``int4``: the ``-emb4`` twin's linears kept 4-bit and multiplied by the project's
+    ``decodebench_int4::int4_rows`` (the operator the PyTorch engines call, found by name in ATen's dispatcher), its
+    vocabulary tables read row by row from their packed words (a CPU with AVX-512 BF16, bf16; skipped, named,
+    elsewhere)."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
     one_row: OneRow = OneRow.auto
+    weights: Weights = Weights.dense
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
         if self.one_row not in (OneRow.auto, *one_row.ATEN_WAYS):
             raise ConfigError(f"engine.one_row={self.one_row}: the Rust engine calls ATen's kernels, "
                               f"{' or '.join(one_row.ATEN_WAYS)} (or auto)")  # fmt: skip
+        if self.one_row == OneRow.mv and self.weights == Weights.int4:
+            raise ConfigError("engine.one_row=mv has no effect with engine.weights=int4: every linear is held 4-bit, "
+                              f"multiplied by {int4_cpu.OP}")  # fmt: skip
 
 
 def built() -> str | None:
@@ -63,6 +72,9 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
     def as_dtype(value: float) -> float:  # Transformers multiplies by these scales held in the run's dtype
         return float(torch.tensor(value, dtype=dtype))
 
+    def embed_scale(table: Any) -> float:  # Transformers' scaled embedding, or the Int4Embedding that replaced it
+        return table.embed_scale if isinstance(table, Int4Embedding) else table.scalar_embed_scale
+
     return {
         "sliding": [t == "sliding_attention" for t in cfg.layer_types],
         "head_dims": [cfg.per_layer_config[i].head_dim for i in range(cfg.num_hidden_layers)],
@@ -77,8 +89,8 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
         "full_slots": full_slots(context, piece),
         "eps": cfg.rms_norm_eps,
         "softcap": cfg.final_logit_softcapping,
-        "embed_scale": as_dtype(text.embed_tokens.scalar_embed_scale),
-        "ple_embed_scale": as_dtype(text.embed_tokens_per_layer.scalar_embed_scale),
+        "embed_scale": as_dtype(embed_scale(text.embed_tokens)),
+        "ple_embed_scale": as_dtype(embed_scale(text.embed_tokens_per_layer)),
         "ple_projection_scale": text.per_layer_model_projection_scale,
         "ple_input_scale": text.per_layer_input_scale,
         "rope_scaling_sliding": float(rotary.sliding_attention_attention_scaling),
@@ -97,16 +109,25 @@ class RustEngine(Engine):
         return (
             built()
             or fuse_unsupported(run_cfg.engine.mode, "rust", device.kind)
+            or int4_unsupported(device, run_cfg)
             or super().unsupported_reason(device, run_cfg)
         )
+
+    @classmethod
+    def twin(cls, engine_cfg: Any, model_cfg: Any) -> str:
+        """``engine.weights=int4`` reads the ``-emb4`` twin, whose tables and ``lm_head`` are int4."""
+        return Tables.int4 if engine_cfg.weights == Weights.int4 else super().twin(engine_cfg, model_cfg)
 
     def load(self) -> None:
         import decodebench_rs
 
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
-        model, _ = load_model(self.checkpoint, dtype, device)
-        weights = dict(model.state_dict())
-        weights["lm_head.weight"] = model.lm_head.weight
+        self.int4 = self.ctx.engine_cfg.weights == Weights.int4
+        model = self.load_int4() if self.int4 else load_model(self.checkpoint, dtype, device)[0]
+        held_4bit = {name for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int4Embedding))}
+        weights = {n: t for n, t in model.state_dict().items() if n.rpartition(".")[0] not in held_4bit}
+        if "lm_head" not in held_4bit:
+            weights["lm_head.weight"] = model.lm_head.weight
         for layer_type in ("sliding_attention", "full_attention"):
             weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
@@ -115,9 +136,25 @@ class RustEngine(Engine):
                                              self.ctx.cache_dir, one_row.ATEN_WAYS)  # fmt: skip
         self.one_row = self.one_row_choice.one_row
         config["one_row_mv"] = self.one_row == OneRow.mv
-        self.native = decodebench_rs.Engine(config, weights, torch.zeros(1, dtype=dtype, device=device))
+        linears = {f"{name}.weight": (m.words, m.scales, m.group, m.out_features)
+                   for name, m in model.named_modules() if isinstance(m, Int4Linear)}  # fmt: skip
+        tables = {f"{name}.weight": (m.packed, m.scale, m.group, m.cols)
+                  for name, m in model.named_modules() if isinstance(m, Int4Embedding)}  # fmt: skip
+        like = torch.zeros(1, dtype=dtype, device=device)
+        self.native = decodebench_rs.Engine(config, weights, like, int4_linears=linears, int4_tables=tables)
         self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
         self.build = dict(decodebench_rs.BUILD)
+
+    def load_int4(self) -> Any:
+        """The ``-emb4`` twin with its tables and linears swapped for the int4 modules the PyTorch engines hold
+        (``engines.int4``), every linear packed for ``int4_rows``; the Rust model reads their packed tensors."""
+        device, dtype = self.ctx.device.torch_device, self.ctx.dtype
+        keep = int4.LOOKUPS + ("lm_head",)
+        model, packed = load_model(self.checkpoint, dtype, device, keep, keep_linears=True)
+        tables, linears = int4.split_packed(packed, int4.LOOKUPS, model.config.tie_word_embeddings)
+        int4.swap_lookups(model, tables, dtype, device)
+        int4.swap_linears(model, linears, dtype, device, kernel=int4_cpu.OP)  # the Rust model calls no other kernel
+        return model
 
     def generate(
         self,
@@ -155,6 +192,24 @@ class RustEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
-        return {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
-                "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
-                "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record()}  # fmt: skip
+        described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
+                     "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
+                     "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
+                     "weights": str(self.ctx.engine_cfg.weights)}  # fmt: skip
+        if self.int4:
+            described.update(int4_kernel=int4.kernels_of(self.model),
+                             int4_linears=sum(isinstance(m, Int4Linear) for m in self.model.modules()))  # fmt: skip
+        return described
+
+
+def int4_unsupported(device: Device, run_cfg: Any) -> str | None:
+    """Why ``engine=rust engine.weights=int4`` cannot run here (its products are ``int4_rows``, a CPU kernel), or
+    None."""
+    if run_cfg.engine.weights != Weights.int4:
+        return None
+    way = f"engine=rust engine.weights=int4 multiplies with {int4_cpu.OP}"
+    if device.kind != "cpu":
+        return f"{way}, a CPU kernel; this device is {device.kind}"
+    if reason := int4_cpu.unsupported(run_cfg.dtype.torch, None):
+        return f"{way}, which cannot run here: {reason}"
+    return None

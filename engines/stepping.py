@@ -140,11 +140,9 @@ class SteppingEngine(SteppedEngine):
         lookups = tuple(dict.fromkeys(self.kept_4bit(self.ctx.engine_cfg) + (int4.LOOKUPS if self.int4 else ())))
         keep = lookups + (("lm_head",) if self.int4 else ())
         self.model, packed = self.load_weights(keep)
-        self.packed_tables = {p: w for p, w in packed.items() if p.rpartition(".")[2] in lookups}
+        tied = self.int4 and self.model.config.tie_word_embeddings
+        self.packed_tables, linears = int4.split_packed(packed, lookups, tied)
         int4.swap_lookups(self.model, self.packed_tables, dtype, device)
-        linears = {p: w for p, w in packed.items() if p not in self.packed_tables}
-        if self.int4 and "lm_head" not in linears and self.model.config.tie_word_embeddings:
-            linears["lm_head"] = self.packed_tables["model.embed_tokens"]  # tied: lm_head reads the same table
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.joined_linears = self.join_linears()
         self.row_linears = 0

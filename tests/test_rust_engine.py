@@ -10,9 +10,17 @@ import time
 
 import pytest
 import torch
+from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
-from engines.rust_engine import RustEngine
+from decodebench.checkpoint import open_checkpoint
+from decodebench.config import ConfigError
+from decodebench.device import Device
+from engines import int4
+from engines.rust_engine import RustEngine, int4_unsupported
+from runner import run_cell, typed_config
 from tests.conftest import opened
+from tests.test_int4 import ROWS, packed_weight, runs_here
 
 if os.environ.get("CI"):  # CI builds the crate in `make setup`: a missing module is a failure there
     import decodebench_rs
@@ -146,3 +154,52 @@ def test_shim_attention_matches_torch():
     torch.testing.assert_close(decodebench_rs.shim_op("sdpa", [q, k, v, mask], [1.0]), expected)
     with pytest.raises(RuntimeError):
         decodebench_rs.shim_op("linear", [torch.randn(3, 8), torch.randn(5, 7)], [])
+
+
+def test_shim_int4_product_is_the_python_engines_operator():
+    """The shim's int4 product is ``decodebench_int4::int4_rows`` itself (found in ATen's dispatcher): the same bits
+    as the operator called from Python, on a 3-D input and an output count that leaves the last tile partial, and
+    within bf16 rounding of the float64 product over the dequantized weight."""
+    runs_here(ROWS)
+    weight, dense = packed_weight(72, 256, 64)
+    layer = int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kernel=ROWS)
+    x = torch.randn(1, 3, 256).to(torch.bfloat16)
+    got = decodebench_rs.shim_op("int4_linear", [x, layer.words, layer.scales], [64, 72])
+    assert got.shape == (1, 3, 72) and torch.equal(got, layer(x))
+    exact = x.double() @ dense.double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_shim_int4_lookup_is_the_int4_embedding(group):
+    """Rows of a 4-bit table, unpacked by the shim, equal those ``Int4Embedding`` gives (scale 1) in the bits."""
+    table, dense = packed_weight(40, 128, group)
+    lookup = int4.Int4Embedding(table, 1.0, torch.bfloat16, torch.device("cpu"))
+    ids = torch.tensor([7, 0, 39, 7])
+    got = decodebench_rs.shim_op("int4_lookup", [table.packed, table.scale, ids, torch.zeros(1, dtype=torch.bfloat16)],
+                                 [group, 128])  # fmt: skip
+    assert torch.equal(got, lookup(ids)) and torch.equal(got, dense[ids].to(torch.bfloat16))
+
+
+def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny):
+    """``engine.weights=int4``: the ``-emb4`` twin, every linear (lm_head included) multiplied by ``int4_rows`` from
+    Rust, the tables looked up 4-bit; the tokens are Transformers' at bf16."""
+    runs_here(ROWS)
+    record = run_cell(cell_cfg("engine=rust", "engine.weights=int4", "experiment=parity-bf16", "max_new_tokens=16"))
+    assert record["status"] == "ok", record["reason"]
+    engine = record["engine"]
+    skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
+    assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
+    assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
+    out = record["outputs"]["prompt"]
+    assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"
+
+
+def test_int4_rust_is_refused_or_skipped_by_name(cell_cfg, tiny):
+    with pytest.raises(ConfigError, match="one_row=mv has no effect with engine.weights=int4"):
+        typed_config(cell_cfg("engine=rust", "engine.weights=int4", "engine.one_row=mv"))
+    record = run_cell(cell_cfg("engine=rust", "engine.weights=int4", "dtype=float32"))
+    assert record["status"] == "skipped" and "computes bf16 activations" in record["reason"]
+    run = typed_config(cell_cfg("engine=rust", "engine.weights=int4"))
+    gpu = Device(kind="cuda", name="a GPU", torch_device=torch.device("cpu"))
+    assert "a CPU kernel; this device is cuda" in int4_unsupported(gpu, run)

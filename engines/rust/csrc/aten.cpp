@@ -2,6 +2,7 @@
 // Every entry point catches C++ exceptions: it returns null (or -1) and leaves the message for
 // `db_last_error`, so no exception ever unwinds into Rust.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/version.h>
 
@@ -70,6 +71,19 @@ T db_linear(T x, T w, int one_row_mv) {
     return at::linear(*x, *w);
   });
 }
+// x @ w.T for a weight held 4-bit: decodebench_int4::int4_rows, the project's CPU kernel (engines/csrc/int4_rows.cpp),
+// found by name in ATen's dispatcher, where the library the Python side loads (engines/cpu_kernels.py) registered
+// it: the same operator the PyTorch engines call. `words` and `scales` as engines/int4_cpu.py packs them.
+T db_int4_linear(T x, T words, T scales, int64_t group, int64_t out) {
+  return guarded([&] {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("decodebench_int4::int4_rows", "")
+                               .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)>();
+    auto sizes = x->sizes().vec();
+    sizes.back() = out;
+    return op.call(x->reshape({-1, x->size(-1)}), *words, *scales, group, out).view(sizes);
+  });
+}
 T db_add(T a, T b) { return guarded([&] { return at::add(*a, *b); }); }
 T db_sub(T a, T b) { return guarded([&] { return at::sub(*a, *b); }); }
 T db_mul(T a, T b) { return guarded([&] { return at::mul(*a, *b); }); }
@@ -101,6 +115,19 @@ T db_cat2(T a, T b, int64_t dim) { return guarded([&] { return at::cat({*a, *b},
 
 // Indexing
 T db_index_select(T t, int64_t dim, T idx) { return guarded([&] { return at::index_select(*t, dim, *idx); }); }
+// Rows `ids` of a table held 4-bit as the checkpoint stores it: int32 words [rows, cols/8] of level + 8, low nibble
+// first, and one scale per `group` columns; unpacked in float32 (level times scale, exact) and rounded once to the
+// dtype of `like`, as engines/int4.py's Int4Embedding does.
+T db_int4_lookup(T packed, T scale, T ids, int64_t group, int64_t cols, T like) {
+  return guarded([&] {
+    const int64_t n = ids->numel();
+    auto words = packed->index_select(0, *ids).unsqueeze(-1);
+    auto shifts = at::arange(0, 32, 4, words.options());
+    auto levels = words.bitwise_right_shift(shifts).bitwise_and(15).to(at::kFloat).sub(8);
+    auto scales = scale->index_select(0, *ids).to(at::kFloat).unsqueeze(-1);
+    return levels.view({n, -1, group}).mul(scales).view({n, cols}).to(like->scalar_type());
+  });
+}
 int db_index_copy_(T t, int64_t dim, T idx, T src) { return status([&] { t->index_copy_(dim, *idx, *src); }); }
 int db_fill_(T t, double v) { return status([&] { t->fill_(v); }); }
 

@@ -11,6 +11,8 @@ extern "C" {
     pub fn db_from_python(o: *mut pyo3::ffi::PyObject) -> Raw;
     pub fn db_to_python(t: Raw) -> *mut pyo3::ffi::PyObject;
     fn db_linear(x: Raw, w: Raw, one_row_mv: c_int) -> Raw;
+    fn db_int4_linear(x: Raw, words: Raw, scales: Raw, group: i64, out: i64) -> Raw;
+    fn db_int4_lookup(packed: Raw, scale: Raw, ids: Raw, group: i64, cols: i64, like: Raw) -> Raw;
     fn db_add(a: Raw, b: Raw) -> Raw;
     fn db_sub(a: Raw, b: Raw) -> Raw;
     fn db_mul(a: Raw, b: Raw) -> Raw;
@@ -108,8 +110,16 @@ impl Tensor {
         wrap(p)
     }
     /// `x @ w.T`; with `one_row_mv`, a single row through ATen's matrix-vector kernel.
-    pub fn linear(&self, w: &Tensor, one_row_mv: bool) -> Result<Tensor> {
+    pub fn dense_linear(&self, w: &Tensor, one_row_mv: bool) -> Result<Tensor> {
         wrap(unsafe { db_linear(self.0, w.0, one_row_mv as c_int) })
+    }
+    /// `x @ w.T` for a weight packed for `decodebench_int4::int4_rows` with `out` outputs, `group` inputs a scale.
+    pub fn int4_linear(&self, words: &Tensor, scales: &Tensor, group: i64, out: i64) -> Result<Tensor> {
+        wrap(unsafe { db_int4_linear(self.0, words.0, scales.0, group, out) })
+    }
+    /// Rows `ids` of a 4-bit table (the checkpoint's words and scales), [n, cols] in the dtype of `like`.
+    pub fn int4_lookup(packed: &Tensor, scale: &Tensor, ids: &Tensor, group: i64, cols: i64, like: &Tensor) -> Result<Tensor> {
+        wrap(unsafe { db_int4_lookup(packed.0, scale.0, ids.0, group, cols, like.0) })
     }
     pub fn add(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_add(self.0, b.0) }) }
     pub fn sub(&self, b: &Tensor) -> Result<Tensor> { wrap(unsafe { db_sub(self.0, b.0) }) }

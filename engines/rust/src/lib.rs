@@ -7,6 +7,7 @@
 //! * Errors a caller can cause are ValueError, checked here before the model's own checks.
 mod aten;
 mod model;
+mod weights;
 
 use std::collections::HashMap;
 
@@ -17,6 +18,7 @@ use pyo3::AsPyPointer;
 
 use aten::Tensor;
 use model::{Config, LayerSpec, Model};
+use weights::{Linear, Table, Weights};
 
 fn tensor(obj: &PyAny) -> PyResult<Tensor> {
     unsafe { Tensor::from_raw(aten::db_from_python(obj.as_ptr())) }.map_err(|e| PyValueError::new_err(e.0))
@@ -72,15 +74,27 @@ struct Engine {
 #[pymethods]
 impl Engine {
     /// `config`: shape and constants; `weights`: name -> tensor (Transformers' names); `like`: a
-    /// tensor on the device (and of the dtype) the model runs on.
+    /// tensor on the device (and of the dtype) the model runs on. `int4_linears`: name -> (words, scales,
+    /// group, out_features) of the linears held 4-bit, packed for `decodebench_int4::int4_rows`;
+    /// `int4_tables`: name -> (packed words, scales, group, columns) of the tables held 4-bit as stored.
     #[new]
-    fn new(config_dict: &PyDict, weights: &PyDict, like: &PyAny) -> PyResult<Self> {
+    #[args(int4_linears = "None", int4_tables = "None")]
+    fn new(config_dict: &PyDict, weights: &PyDict, like: &PyAny, int4_linears: Option<&PyDict>,
+           int4_tables: Option<&PyDict>) -> PyResult<Self> {
         let cfg = config(config_dict)?;
-        let mut owned = HashMap::new();
+        let mut store = Weights { dense: HashMap::new(), linears: HashMap::new(), tables: HashMap::new() };
         for (name, value) in weights.iter() {
-            owned.insert(name.extract::<String>()?, tensor(value)?);
+            store.dense.insert(name.extract::<String>()?, tensor(value)?);
         }
-        let model = Model::new(cfg, owned, tensor(like)?).map_err(|e| PyValueError::new_err(e.0))?;
+        for (name, value) in int4_linears.map(|d| d.iter()).into_iter().flatten() {
+            let (words, scales, group, out): (&PyAny, &PyAny, i64, i64) = value.extract()?;
+            store.linears.insert(name.extract()?, Linear::Int4 { words: tensor(words)?, scales: tensor(scales)?, group, out });
+        }
+        for (name, value) in int4_tables.map(|d| d.iter()).into_iter().flatten() {
+            let (packed, scale, group, cols): (&PyAny, &PyAny, i64, i64) = value.extract()?;
+            store.tables.insert(name.extract()?, Table::Int4 { packed: tensor(packed)?, scale: tensor(scale)?, group, cols });
+        }
+        let model = Model::new(cfg, store, tensor(like)?).map_err(|e| PyValueError::new_err(e.0))?;
         Ok(Engine { model })
     }
 
@@ -189,8 +203,10 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
     let t: Vec<Tensor> = tensors.into_iter().map(tensor).collect::<PyResult<_>>()?;
     let s = |i: usize| scalars.get(i).copied().ok_or_else(|| PyValueError::new_err(format!("{name}: scalar {i} missing")));
     let out = match name {
-        "linear" => t[0].linear(&t[1], false),
-        "linear_mv" => t[0].linear(&t[1], true),
+        "linear" => t[0].dense_linear(&t[1], false),
+        "linear_mv" => t[0].dense_linear(&t[1], true),
+        "int4_linear" => t[0].int4_linear(&t[1], &t[2], s(0)? as i64, s(1)? as i64),
+        "int4_lookup" => Tensor::int4_lookup(&t[0], &t[1], &t[2], s(0)? as i64, s(1)? as i64, &t[3]),
         "mul" => t[0].mul(&t[1]),
         "add" => t[0].add(&t[1]),
         "div_scalar" => t[0].div_scalar(s(0)?),

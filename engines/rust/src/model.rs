@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::aten::{AtenError, Result, Tensor};
+use crate::weights::{Linear, Table, Weights};
 
 /// One decoder layer's geometry.
 pub struct LayerSpec {
@@ -45,15 +46,15 @@ struct Layer {
     pre_ff_norm: Tensor,
     post_ff_norm: Tensor,
     post_ple_norm: Tensor,
-    q_proj: Tensor,
+    q_proj: Linear,
     q_norm: Tensor,
-    kv: Option<(Tensor, Tensor, Tensor)>, // k_proj, v_proj, k_norm for layers that own a cache
-    o_proj: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
-    ple_gate: Tensor,
-    ple_projection: Tensor,
+    kv: Option<(Linear, Linear, Tensor)>, // k_proj, v_proj, k_norm for layers that own a cache
+    o_proj: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    ple_gate: Linear,
+    ple_projection: Linear,
     scalar: Tensor,
 }
 
@@ -78,12 +79,12 @@ struct Step {
 pub struct Model {
     pub cfg: Config,
     like: Tensor,
-    embed: Tensor,
-    ple_table: Tensor,
-    ple_model_projection: Tensor,
+    embed: Table,
+    ple_table: Table,
+    ple_model_projection: Linear,
     ple_projection_norm: Tensor,
     final_norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Linear,
     inv_freq: [Tensor; 2], // [full, sliding]
     layers: Vec<Layer>,
     ring: Ring,
@@ -112,48 +113,49 @@ fn err(message: String) -> AtenError {
 }
 
 impl Model {
-    /// Builds the model from its weights (names as Transformers' Gemma4ForCausalLM has them); every
-    /// weight is moved to the device of `like`.
-    pub fn new(cfg: Config, mut weights: HashMap<String, Tensor>, like: Tensor) -> Result<Model> {
-        let mut take = |name: &str| -> Result<Tensor> {
-            let t = weights.remove(name).ok_or_else(|| err(format!("missing weight {name}")))?;
-            t.to_device_of(&like)
+    /// Builds the model from its weights (names as Transformers' Gemma4ForCausalLM has them, the
+    /// linears and tables held 4-bit among `weights`' own); every weight is moved to the device of `like`.
+    pub fn new(cfg: Config, mut weights: Weights, like: Tensor) -> Result<Model> {
+        let embed = weights.table("model.embed_tokens.weight", &like)?;
+        let lm_head = match (weights.linear("lm_head.weight", &like), &embed) {
+            (Ok(w), _) => w,
+            (Err(_), Table::Dense(t)) => Linear::Dense(t.narrow(0, 0, t.size(0))?), // tied
+            (Err(e), Table::Int4 { .. }) => return Err(e), // a 4-bit table is no linear: the caller packs lm_head
         };
-        let embed = take("model.embed_tokens.weight")?;
-        let lm_head = match take("lm_head.weight") {
-            Ok(t) => t,
-            Err(_) => embed.narrow(0, 0, embed.size(0))?, // tied
-        };
-        let ple_table = take("model.embed_tokens_per_layer.weight")?;
-        let ple_model_projection = take("model.per_layer_model_projection.weight")?;
-        let ple_projection_norm = take("model.per_layer_projection_norm.weight")?;
-        let final_norm = take("model.norm.weight")?;
-        let inv_freq = [take("rope.full_attention.inv_freq")?, take("rope.sliding_attention.inv_freq")?];
+        let ple_table = weights.table("model.embed_tokens_per_layer.weight", &like)?;
+        let ple_model_projection = weights.linear("model.per_layer_model_projection.weight", &like)?;
+        let ple_projection_norm = weights.take("model.per_layer_projection_norm.weight", &like)?;
+        let final_norm = weights.take("model.norm.weight", &like)?;
+        let inv_freq = [weights.take("rope.full_attention.inv_freq", &like)?, weights.take("rope.sliding_attention.inv_freq", &like)?];
         let mut layers = Vec::new();
         for (i, spec) in cfg.layers.iter().enumerate() {
             let p = format!("model.layers.{i}.");
-            let mut w = |name: &str| take(&format!("{p}{name}"));
-            let kv = if spec.source == i {
-                Some((w("self_attn.k_proj.weight")?, w("self_attn.v_proj.weight")?, w("self_attn.k_norm.weight")?))
-            } else {
-                None
+            let mut w = |name: &str| weights.take(&format!("{p}{name}"), &like);
+            let (input_norm, post_attention_norm) = (w("input_layernorm.weight")?, w("post_attention_layernorm.weight")?);
+            let (pre_ff_norm, post_ff_norm) = (w("pre_feedforward_layernorm.weight")?, w("post_feedforward_layernorm.weight")?);
+            let (post_ple_norm, q_norm, scalar) = (w("post_per_layer_input_norm.weight")?, w("self_attn.q_norm.weight")?, w("layer_scalar")?);
+            let k_norm = if spec.source == i { Some(w("self_attn.k_norm.weight")?) } else { None };
+            let mut l = |name: &str| weights.linear(&format!("{p}{name}.weight"), &like);
+            let kv = match k_norm {
+                Some(k_norm) => Some((l("self_attn.k_proj")?, l("self_attn.v_proj")?, k_norm)),
+                None => None,
             };
             layers.push(Layer {
-                input_norm: w("input_layernorm.weight")?,
-                post_attention_norm: w("post_attention_layernorm.weight")?,
-                pre_ff_norm: w("pre_feedforward_layernorm.weight")?,
-                post_ff_norm: w("post_feedforward_layernorm.weight")?,
-                post_ple_norm: w("post_per_layer_input_norm.weight")?,
-                q_proj: w("self_attn.q_proj.weight")?,
-                q_norm: w("self_attn.q_norm.weight")?,
+                input_norm,
+                post_attention_norm,
+                pre_ff_norm,
+                post_ff_norm,
+                post_ple_norm,
+                q_proj: l("self_attn.q_proj")?,
+                q_norm,
                 kv,
-                o_proj: w("self_attn.o_proj.weight")?,
-                gate: w("mlp.gate_proj.weight")?,
-                up: w("mlp.up_proj.weight")?,
-                down: w("mlp.down_proj.weight")?,
-                ple_gate: w("per_layer_input_gate.weight")?,
-                ple_projection: w("per_layer_projection.weight")?,
-                scalar: w("layer_scalar")?,
+                o_proj: l("self_attn.o_proj")?,
+                gate: l("mlp.gate_proj")?,
+                up: l("mlp.up_proj")?,
+                down: l("mlp.down_proj")?,
+                ple_gate: l("per_layer_input_gate")?,
+                ple_projection: l("per_layer_projection")?,
+                scalar,
             });
         }
         let (ring_slots, full_slots) = (cfg.ring_slots, cfg.full_slots);
@@ -282,8 +284,8 @@ impl Model {
         let seq = ids.numel();
         let (hidden, ple_dim, layers) = (self.cfg.hidden, self.cfg.ple_dim, self.cfg.layers.len() as i64);
         let mv = self.cfg.one_row_mv;
-        let mut h = self.embed.index_select(0, ids)?.reshape(&[1, seq, hidden])?.mul_scalar(self.cfg.embed_scale)?;
-        let tok = self.ple_table.index_select(0, ids)?.mul_scalar(self.cfg.ple_embed_scale)?.reshape(&[1, seq, layers, ple_dim])?;
+        let mut h = self.embed.rows(ids, &self.like)?.reshape(&[1, seq, hidden])?.mul_scalar(self.cfg.embed_scale)?;
+        let tok = self.ple_table.rows(ids, &self.like)?.mul_scalar(self.cfg.ple_embed_scale)?.reshape(&[1, seq, layers, ple_dim])?;
         let ctx = h.linear(&self.ple_model_projection, mv)?.mul_scalar(self.cfg.ple_projection_scale)?.reshape(&[1, seq, layers, ple_dim])?;
         let ple = self.rms(&ctx, Some(&self.ple_projection_norm))?.add(&tok)?.mul_scalar(self.cfg.ple_input_scale)?;
         let step = self.begin(positions, valid, &h)?;
