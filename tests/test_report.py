@@ -931,3 +931,18 @@ def test_a_report_without_peers_says_so_and_renders_no_peers_table(tmp_path):
     report = result.report.read_text()
     peers = report[report.index("## Peers") : report.index("\n## ", report.index("## Peers"))]
     assert "No peer decode cell was measured" in peers and "\n### " not in peers and "| way |" not in peers
+
+
+def test_parity_rows_name_what_their_kl_is_over_only_when_it_is_top_k(evidence_dir, tmp_path):
+    """A peer's parity is over its top-k log-probabilities and says so; a full-logit row beside it says nothing
+    (its column is empty there, not "nan")."""
+    runs = tmp_path / "runs"
+    shutil.copytree(evidence_dir, runs)
+    path = next(runs.rglob("ring-*parity*.json"))
+    record = json.loads(path.read_text())
+    prompt = record["outputs"]["prompt"]
+    prompt.update(topk=20, topk_kl_mean=prompt.pop("kl_mean"), topk_kl_max=prompt.pop("kl_max"))
+    evidence.write_atomic(path, record)
+    report, _ = (b.decode() for b in _render(runs, tmp_path / "out"))
+    table = report[report.index("## Parity with Transformers") :]
+    assert "(over the engine's top-20 ids)" in table and "over the engine's nan" not in table
