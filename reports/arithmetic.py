@@ -414,7 +414,7 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
                 ],
                 interval.value,
                 "%",
-                notes + ([row.bandwidth_note] if row.bandwidth_note else []),
+                notes + ([] if _missing(row.bandwidth_note) else [row.bandwidth_note]),
                 row=(row.engine, row.key),
                 interval=interval,
             )

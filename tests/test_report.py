@@ -291,6 +291,16 @@ def test_roofline_fraction_by_hand():
     assert entries["roofline"].result == pytest.approx(100 * 4_564_472_320 * 50.0 / 1e9 / 858.99)  # 26.57 %
 
 
+def test_roofline_notes_say_when_the_read_moved_and_nothing_otherwise():
+    """A row whose files measured different reads says so; beside it (pandas makes its empty note NaN), a row
+    whose files agree adds no note."""
+    moved = "the machine's read bandwidth moved: 42.9 GB/s before this cell and 77.3 after"
+    decode = pd.DataFrame([row(bandwidth_note=moved), row(files=["evidence/runs/y.json"])])
+    models = {"evidence/runs/x.json": e2b_model_block(), "evidence/runs/y.json": e2b_model_block()}
+    notes = [e.notes for e in arithmetic.roofline(decode, models) if e.key.startswith("roofline")]
+    assert len(notes) == 2 and notes[0][-1] == moved and len(notes[1]) == 1 and notes[1][0].startswith("achieved")
+
+
 def test_matmul_ceiling_by_hand():
     """Every token multiplies every linear and lm_head weight once (2 FLOP each), B tokens a step or one."""
     models = {"evidence/runs/x.json": e2b_model_block()}
