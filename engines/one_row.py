@@ -56,8 +56,6 @@ class OneRow(StrEnum):
     rows = "rows"
 
 
-ATEN_WAYS = (OneRow.linear, OneRow.mv)  # what an engine that calls ATen itself can take (the Rust one)
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -96,6 +94,18 @@ def best_ms(fn: Any) -> float:
     return 1e3 * min(times)
 
 
+def rows_refused(requested: OneRow, device_kind: str, dtype: torch.dtype) -> str | None:
+    """Why ``engine.one_row=rows`` cannot run on this device and dtype (the cell is skipped), or None (also for
+    any other choice)."""
+    if requested != OneRow.rows:
+        return None
+    if device_kind != "cpu":
+        return f"engine.one_row=rows is a CPU kernel ({bf16_cpu.OP}); this device is {device_kind}"
+    if reason := bf16_cpu.unsupported(dtype):
+        return f"engine.one_row=rows: {bf16_cpu.OP} cannot run here: {reason}"
+    return None
+
+
 def rows_unsupported(weights: list[torch.Tensor]) -> str | None:
     """Why ``bf16_rows`` cannot compute these weights here, or None."""
     for w in weights:
@@ -117,17 +127,16 @@ def one_row_call(way: OneRow, weight: torch.Tensor) -> Any:
     return lambda: bf16_cpu.rows(row[None], packed, weight.shape[0])
 
 
-def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cache_dir: str | Path | None,
-           ways: tuple[OneRow, ...] = tuple(OneRow)) -> Choice:  # fmt: skip
+def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cache_dir: str | Path | None) -> Choice:
     """``engine.one_row`` resolved for ``weights`` (the model's dense linear weights): an explicit choice stands;
-    ``auto`` is ``linear`` off a CPU, and on a CPU the fastest of ``ways`` (those the engine takes; ``rows`` only
-    where ``bf16_rows`` runs these weights) over these weights on this machine, measured once and cached
-    (``cache_dir`` None: measured every time)."""
+    ``auto`` is ``linear`` off a CPU, and on a CPU the fastest way (``rows`` only where ``bf16_rows`` runs these
+    weights) over these weights on this machine, measured once and cached (``cache_dir`` None: measured every
+    time)."""
     if requested != OneRow.auto:
         return Choice(requested, "set")
     if device_kind != "cpu" or not weights:
         return Choice(OneRow.linear, "not a CPU" if device_kind != "cpu" else "no dense linear")
-    timed = [w for w in ways if w != OneRow.auto and (w != OneRow.rows or rows_unsupported(weights) is None)]
+    timed = [w for w in OneRow if w != OneRow.auto and (w != OneRow.rows or rows_unsupported(weights) is None)]
     counts = Counter((tuple(w.shape), str(w.dtype)) for w in weights)
     key = {"cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "ways": [str(w) for w in timed],

@@ -21,7 +21,7 @@ from decodebench.layout import full_slots, kv_sources, ring_slots
 from engines import int4, int4_cpu, one_row
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
-from engines.one_row import OneRow
+from engines.one_row import OneRow, PackedEmbedding, PackedLinear
 
 
 @dataclass
@@ -29,13 +29,13 @@ class RustEngineConfig(EngineConfig):
     """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces. ``mode=fuse``
     runs every call under TorchTPU's defer-and-fuse (the Rust article's ``SERVE_DEFER_AND_FUSE=1``: a
     compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
-    which ATen call a linear makes on one row (``engines/one_row.py``: ``auto`` is the faster of ``at::mv`` and
-    the matrix product on this CPU, measured on the model's shapes,
-    ``at::linear`` elsewhere; ``rows``, the Python engines' own kernel, is refused by name). ``weights``:
+    which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on this CPU,
+    measured on the model's shapes; ``mv`` is ``at::mv``, ``linear`` ``at::linear``, ``rows`` the project's
+    ``decodebench_bf16::bf16_rows`` for every row count, its weight packed at load by the Python side). ``weights``:
     ``dense``, or ``int4``: the ``-emb4`` twin's linears kept 4-bit and multiplied by the project's
-    ``decodebench_int4::int4_rows`` (the operator the PyTorch engines call, found by name in ATen's dispatcher), its
-    vocabulary tables read row by row from their packed words (a CPU with AVX-512 BF16, bf16; skipped, named,
-    elsewhere)."""
+    ``decodebench_int4::int4_rows``, its vocabulary tables read row by row from their packed words (a CPU with
+    AVX-512 BF16, bf16; skipped, named, elsewhere). Both kernels are the operators the PyTorch engines call, found by
+    name in ATen's dispatcher."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
@@ -44,12 +44,9 @@ class RustEngineConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
-        if self.one_row not in (OneRow.auto, *one_row.ATEN_WAYS):
-            raise ConfigError(f"engine.one_row={self.one_row}: the Rust engine calls ATen's kernels, "
-                              f"{' or '.join(one_row.ATEN_WAYS)} (or auto)")  # fmt: skip
-        if self.one_row == OneRow.mv and self.weights == Weights.int4:
-            raise ConfigError("engine.one_row=mv has no effect with engine.weights=int4: every linear is held 4-bit, "
-                              f"multiplied by {int4_cpu.OP}")  # fmt: skip
+        if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
+            raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear is "
+                              f"held 4-bit, multiplied by {int4_cpu.OP}")  # fmt: skip
 
 
 def built() -> str | None:
@@ -110,6 +107,7 @@ class RustEngine(Engine):
             built()
             or fuse_unsupported(run_cfg.engine.mode, "rust", device.kind)
             or int4_unsupported(device, run_cfg)
+            or one_row.rows_refused(run_cfg.engine.one_row, device.kind, run_cfg.dtype.torch)
             or super().unsupported_reason(device, run_cfg)
         )
 
@@ -124,24 +122,28 @@ class RustEngine(Engine):
         device, dtype = self.ctx.device.torch_device, self.ctx.dtype
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         model = self.load_int4() if self.int4 else load_model(self.checkpoint, dtype, device)[0]
-        held_4bit = {name for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int4Embedding))}
-        weights = {n: t for n, t in model.state_dict().items() if n.rpartition(".")[0] not in held_4bit}
-        if "lm_head" not in held_4bit:
-            weights["lm_head.weight"] = model.lm_head.weight
-        for layer_type in ("sliding_attention", "full_attention"):
-            weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
         dense = [m.weight for m in one_row.dense_linears(model)]
         self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, dense,
-                                             self.ctx.cache_dir, one_row.ATEN_WAYS)  # fmt: skip
+                                             self.ctx.cache_dir)  # fmt: skip
+        del dense  # rows: each original weight is freed as soon as it is packed, not held to the end
         self.one_row = self.one_row_choice.one_row
+        self.row_linears = one_row.pack_dense_linears(model) if self.one_row == OneRow.rows else 0
         config["one_row_mv"] = self.one_row == OneRow.mv
-        linears = {f"{name}.weight": (m.words, m.scales, m.group, m.out_features)
-                   for name, m in model.named_modules() if isinstance(m, Int4Linear)}  # fmt: skip
-        tables = {f"{name}.weight": (m.packed, m.scale, m.group, m.cols)
-                  for name, m in model.named_modules() if isinstance(m, Int4Embedding)}  # fmt: skip
+        modules = dict(model.named_modules(remove_duplicate=False))
+        tables = {path: packed_table(m) for path, m in modules.items() if isinstance(m, PACKED_TABLES)}
+        linears = {path: packed_linear(m) for path, m in modules.items()
+                   if isinstance(m, PACKED_LINEARS) and path.rpartition(".")[0] not in tables}  # fmt: skip
+        packed = (*tables, *linears)  # what Rust reads packed: none of their tensors crosses as a dense weight
+        weights = {n: t for n, t in model.state_dict().items() if not n.startswith(tuple(f"{p}." for p in packed))}
+        if "lm_head" not in linears:
+            weights["lm_head.weight"] = model.lm_head.weight
+        for layer_type in ("sliding_attention", "full_attention"):
+            weights[f"rope.{layer_type}.inv_freq"] = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
         like = torch.zeros(1, dtype=dtype, device=device)
-        self.native = decodebench_rs.Engine(config, weights, like, int4_linears=linears, int4_tables=tables)
+        self.native = decodebench_rs.Engine(config, weights, like,
+                                            linears={f"{p}.weight": w for p, w in linears.items()},
+                                            tables={f"{p}.weight": w for p, w in tables.items()})  # fmt: skip
         self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
         self.build = dict(decodebench_rs.BUILD)
 
@@ -195,11 +197,29 @@ class RustEngine(Engine):
         described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
-                     "weights": str(self.ctx.engine_cfg.weights)}  # fmt: skip
+                     "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears}  # fmt: skip
         if self.int4:
             described.update(int4_kernel=int4.kernels_of(self.model),
                              int4_linears=sum(isinstance(m, Int4Linear) for m in self.model.modules()))  # fmt: skip
         return described
+
+
+PACKED_LINEARS = (Int4Linear, PackedLinear)
+PACKED_TABLES = (Int4Embedding, PackedEmbedding)
+
+
+def packed_linear(module: Any) -> tuple[Any, ...]:
+    """A linear held packed, as the Rust engine's constructor takes it (``engines/rust/src/lib.rs``)."""
+    if isinstance(module, Int4Linear):
+        return ("int4", module.words, module.scales, module.group, module.out_features)
+    return ("rows", module.packed, module.out_features)
+
+
+def packed_table(module: Any) -> tuple[Any, ...]:
+    """A table held packed: 4-bit as stored, or tied to a ``rows`` linear (its packed weight)."""
+    if isinstance(module, Int4Embedding):
+        return ("int4", module.packed, module.scale, module.group, module.cols)
+    return ("rows", module.linear.packed)
 
 
 def int4_unsupported(device: Device, run_cfg: Any) -> str | None:

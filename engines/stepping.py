@@ -115,11 +115,8 @@ class SteppingEngine(SteppedEngine):
             reason = int4.unsupported(device.kind, run_cfg.dtype.torch)
             if reason:
                 return reason
-        if run_cfg.engine.one_row == OneRow.rows:
-            if device.kind != "cpu":
-                return f"engine.one_row=rows is a CPU kernel ({bf16_cpu.OP}); this device is {device.kind}"
-            if reason := bf16_cpu.unsupported(run_cfg.dtype.torch):
-                return f"engine.one_row=rows: {bf16_cpu.OP} cannot run here: {reason}"
+        if reason := one_row.rows_refused(run_cfg.engine.one_row, device.kind, run_cfg.dtype.torch):
+            return reason
         return super().unsupported_reason(device, run_cfg)
 
     @classmethod

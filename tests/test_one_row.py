@@ -78,9 +78,8 @@ def test_auto_on_a_cpu_picks_the_faster_way_over_the_models_shapes_once(tmp_path
     assert choose(OneRow.auto, "cpu", weights, tmp_path).how == "measured" and len(timed) == 8
 
 
-def test_auto_times_rows_only_where_it_runs_and_the_engine_takes_it(tmp_path, monkeypatch):
-    """bf16 weights on a CPU with AVX-512 BF16: ``rows`` is timed beside the two and picked when fastest; an engine
-    that calls ATen itself (``ATEN_WAYS``, the Rust one) never gets it."""
+def test_auto_times_rows_only_where_it_runs(tmp_path, monkeypatch):
+    """bf16 weights on a CPU with AVX-512 BF16: ``rows`` is timed beside the two and picked when fastest."""
     speeds = {"linear": 3.0, "mv": 2.0, "rows": 1.0}
     monkeypatch.setattr(one_row, "one_row_call", lambda way, weight: str(way))  # what best_ms then times: its name
     monkeypatch.setattr(one_row, "best_ms", lambda way: speeds[way])
@@ -88,7 +87,6 @@ def test_auto_times_rows_only_where_it_runs_and_the_engine_takes_it(tmp_path, mo
     choice = choose(OneRow.auto, "cpu", weights, None)
     assert choice.one_row == (OneRow.mv if ROWS_HERE else OneRow.rows)
     assert set(choice.ms) == ({"linear", "mv"} if ROWS_HERE else {"linear", "mv", "rows"})
-    assert choose(OneRow.auto, "cpu", weights, None, one_row.ATEN_WAYS).one_row == OneRow.mv
 
 
 @pytest.mark.skipif(ROWS_HERE is not None, reason=f"{bf16_cpu.OP}: {ROWS_HERE}")
@@ -158,7 +156,7 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
         (("engine=ring", "engine.weights=int4", "engine.one_row=rows"), "engine.one_row=rows has no effect with"),
         (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=mv"), "engine.remove_wrappers=false"),
         (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=rows"), "engine.remove_wrappers=false"),
-        (("engine=rust", "engine.one_row=rows"), "the Rust engine calls ATen's kernels"),
+        (("engine=rust", "engine.weights=int4", "engine.one_row=rows"), "engine.one_row=rows has no effect with"),
     ],
 )
 def test_mv_where_no_linear_takes_it_is_refused(cell_cfg, overrides, message):

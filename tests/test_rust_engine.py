@@ -16,7 +16,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench.checkpoint import open_checkpoint
 from decodebench.config import ConfigError
 from decodebench.device import Device
-from engines import int4
+from engines import bf16_cpu, int4
 from engines.rust_engine import RustEngine, int4_unsupported
 from runner import run_cell, typed_config
 from tests.conftest import opened
@@ -203,3 +203,31 @@ def test_int4_rust_is_refused_or_skipped_by_name(cell_cfg, tiny):
     run = typed_config(cell_cfg("engine=rust", "engine.weights=int4"))
     gpu = Device(kind="cuda", name="a GPU", torch_device=torch.device("cpu"))
     assert "a CPU kernel; this device is cuda" in int4_unsupported(gpu, run)
+
+
+def test_shim_bf16_product_and_tied_rows_are_the_python_engines():
+    """``bf16_rows`` from the shim is the operator the PyTorch engines call (the same bits, leading dimensions kept,
+    a partial last tile), and a tied table's rows read back from the packed weight are the weight's own rows."""
+    if reason := bf16_cpu.unsupported(torch.bfloat16):
+        pytest.skip(f"{bf16_cpu.OP}: {reason}")
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    packed = bf16_cpu.pack(weight)
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    got = decodebench_rs.shim_op("bf16_rows", [x, packed], [40])
+    assert got.shape == (1, 3, 40) and torch.equal(got[0], bf16_cpu.rows(x[0], packed, 40))
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, rtol=1e-2, atol=1e-2)
+    ids = torch.tensor([39, 0, 17, 17])
+    assert torch.equal(decodebench_rs.shim_op("packed_rows", [packed, ids], []), weight[ids])
+
+
+def test_rows_rust_writes_the_reference_tokens_with_every_linear_packed(cell_cfg, tiny):
+    """``engine.one_row=rows``: every dense linear (lm_head, tied to the token table, included) multiplied by
+    ``bf16_rows`` from Rust, the tied table read from the packed weight; the tokens are Transformers' at bf16."""
+    if reason := bf16_cpu.unsupported(torch.bfloat16):
+        pytest.skip(f"{bf16_cpu.OP}: {reason}")
+    record = run_cell(cell_cfg("engine=rust", "engine.one_row=rows", "experiment=parity-bf16", "max_new_tokens=16"))
+    assert record["status"] == "ok", record["reason"]
+    skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.w4a16).config)
+    assert record["engine"]["row_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
+    out = record["outputs"]["prompt"]
+    assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"

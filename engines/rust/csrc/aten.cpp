@@ -41,6 +41,25 @@ int status(F&& f) noexcept {
 }
 
 at::IntArrayRef dims(const int64_t* d, int64_t n) { return at::IntArrayRef(d, static_cast<size_t>(n)); }
+
+// The project's CPU kernels (engines/csrc/), found by name in ATen's dispatcher, where the library the Python side
+// loads (engines/cpu_kernels.py) registered them: the operators the PyTorch engines call. Their weights are packed
+// once at load on the Python side (engines/int4_cpu.py, engines/bf16_cpu.py: `pack`).
+using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> kernel(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// x [..., in] times a weight with `out` outputs, through `rows` [n, in] -> [n, out]: x's leading dimensions kept.
+template <class F>
+Tensor by_rows(const Tensor& x, int64_t out, F&& rows) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  return rows(x.reshape({-1, x.size(-1)})).view(sizes);
+}
 }  // namespace
 
 extern "C" {
@@ -71,19 +90,22 @@ T db_linear(T x, T w, int one_row_mv) {
     return at::linear(*x, *w);
   });
 }
-// x @ w.T for a weight held 4-bit: decodebench_int4::int4_rows, the project's CPU kernel (engines/csrc/int4_rows.cpp),
-// found by name in ATen's dispatcher, where the library the Python side loads (engines/cpu_kernels.py) registered
-// it: the same operator the PyTorch engines call. `words` and `scales` as engines/int4_cpu.py packs them.
+// x @ w.T for a weight held 4-bit: decodebench_int4::int4_rows (engines/csrc/int4_rows.cpp).
 T db_int4_linear(T x, T words, T scales, int64_t group, int64_t out) {
   return guarded([&] {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("decodebench_int4::int4_rows", "")
-                               .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)>();
-    auto sizes = x->sizes().vec();
-    sizes.back() = out;
-    return op.call(x->reshape({-1, x->size(-1)}), *words, *scales, group, out).view(sizes);
+    static const auto op = kernel<Int4Rows>("decodebench_int4::int4_rows");
+    return by_rows(*x, out, [&](const Tensor& rows) { return op.call(rows, *words, *scales, group, out); });
   });
 }
+
+// x @ w.T for a bf16 weight packed in tiles of 16 outputs: decodebench_bf16::bf16_rows (engines/csrc/bf16_rows.cpp).
+T db_bf16_rows(T x, T packed, int64_t out) {
+  return guarded([&] {
+    static const auto op = kernel<Bf16Rows>("decodebench_bf16::bf16_rows");
+    return by_rows(*x, out, [&](const Tensor& rows) { return op.call(rows, *packed, out); });
+  });
+}
+
 T db_add(T a, T b) { return guarded([&] { return at::add(*a, *b); }); }
 T db_sub(T a, T b) { return guarded([&] { return at::sub(*a, *b); }); }
 T db_mul(T a, T b) { return guarded([&] { return at::mul(*a, *b); }); }
@@ -126,6 +148,15 @@ T db_int4_lookup(T packed, T scale, T ids, int64_t group, int64_t cols, T like) 
     auto levels = words.bitwise_right_shift(shifts).bitwise_and(15).to(at::kFloat).sub(8);
     auto scales = scale->index_select(0, *ids).to(at::kFloat).unsqueeze(-1);
     return levels.view({n, -1, group}).mul(scales).view({n, cols}).to(like->scalar_type());
+  });
+}
+// Rows `ids` of a bf16 weight packed for bf16_rows ([tiles, in/2, 16, 2]): a table tied to that weight, held once
+// (engines/bf16_cpu.py, `row_of`).
+T db_packed_rows(T packed, T ids) {
+  return guarded([&] {
+    using at::indexing::Slice;
+    auto picked = packed->index({ids->div(16, "floor"), Slice(), ids->remainder(16)});  // [n, in/2, 2]
+    return picked.reshape({ids->numel(), -1});
   });
 }
 int db_index_copy_(T t, int64_t dim, T idx, T src) { return status([&] { t->index_copy_(dim, *idx, *src); }); }

@@ -12,6 +12,8 @@ extern "C" {
     pub fn db_to_python(t: Raw) -> *mut pyo3::ffi::PyObject;
     fn db_linear(x: Raw, w: Raw, one_row_mv: c_int) -> Raw;
     fn db_int4_linear(x: Raw, words: Raw, scales: Raw, group: i64, out: i64) -> Raw;
+    fn db_bf16_rows(x: Raw, packed: Raw, out: i64) -> Raw;
+    fn db_packed_rows(packed: Raw, ids: Raw) -> Raw;
     fn db_int4_lookup(packed: Raw, scale: Raw, ids: Raw, group: i64, cols: i64, like: Raw) -> Raw;
     fn db_add(a: Raw, b: Raw) -> Raw;
     fn db_sub(a: Raw, b: Raw) -> Raw;
@@ -116,6 +118,14 @@ impl Tensor {
     /// `x @ w.T` for a weight packed for `decodebench_int4::int4_rows` with `out` outputs, `group` inputs a scale.
     pub fn int4_linear(&self, words: &Tensor, scales: &Tensor, group: i64, out: i64) -> Result<Tensor> {
         wrap(unsafe { db_int4_linear(self.0, words.0, scales.0, group, out) })
+    }
+    /// `x @ w.T` for a bf16 weight packed for `decodebench_bf16::bf16_rows` with `out` outputs.
+    pub fn bf16_rows(&self, packed: &Tensor, out: i64) -> Result<Tensor> {
+        wrap(unsafe { db_bf16_rows(self.0, packed.0, out) })
+    }
+    /// Rows `ids` of a bf16 weight packed for `bf16_rows`, [n, in].
+    pub fn packed_rows(packed: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        wrap(unsafe { db_packed_rows(packed.0, ids.0) })
     }
     /// Rows `ids` of a 4-bit table (the checkpoint's words and scales), [n, cols] in the dtype of `like`.
     pub fn int4_lookup(packed: &Tensor, scale: &Tensor, ids: &Tensor, group: i64, cols: i64, like: &Tensor) -> Result<Tensor> {

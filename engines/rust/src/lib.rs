@@ -65,6 +65,34 @@ fn config(d: &PyDict) -> PyResult<Config> {
     })
 }
 
+fn packed_linear(value: &PyAny) -> PyResult<Linear> {
+    match value.get_item(0)?.extract::<&str>()? {
+        "int4" => {
+            let (_, words, scales, group, out): (&str, &PyAny, &PyAny, i64, i64) = value.extract()?;
+            Ok(Linear::Int4 { words: tensor(words)?, scales: tensor(scales)?, group, out })
+        }
+        "rows" => {
+            let (_, packed, out): (&str, &PyAny, i64) = value.extract()?;
+            Ok(Linear::Rows { packed: tensor(packed)?, out })
+        }
+        kind => Err(PyValueError::new_err(format!("a packed linear is int4 or rows, not {kind}"))),
+    }
+}
+
+fn packed_table(value: &PyAny) -> PyResult<Table> {
+    match value.get_item(0)?.extract::<&str>()? {
+        "int4" => {
+            let (_, packed, scale, group, cols): (&str, &PyAny, &PyAny, i64, i64) = value.extract()?;
+            Ok(Table::Int4 { packed: tensor(packed)?, scale: tensor(scale)?, group, cols })
+        }
+        "rows" => {
+            let (_, packed): (&str, &PyAny) = value.extract()?;
+            Ok(Table::Rows { packed: tensor(packed)? })
+        }
+        kind => Err(PyValueError::new_err(format!("a packed table is int4 or rows, not {kind}"))),
+    }
+}
+
 /// Gemma 4 with a ring cache, built once from the checkpoint's weights.
 #[pyclass(unsendable)]
 struct Engine {
@@ -74,25 +102,25 @@ struct Engine {
 #[pymethods]
 impl Engine {
     /// `config`: shape and constants; `weights`: name -> tensor (Transformers' names); `like`: a
-    /// tensor on the device (and of the dtype) the model runs on. `int4_linears`: name -> (words, scales,
-    /// group, out_features) of the linears held 4-bit, packed for `decodebench_int4::int4_rows`;
-    /// `int4_tables`: name -> (packed words, scales, group, columns) of the tables held 4-bit as stored.
+    /// tensor on the device (and of the dtype) the model runs on. `linears` and `tables`: name -> a weight
+    /// packed by the Python side, in place of its dense tensor: a linear `("int4", words, scales, group,
+    /// out_features)` for `decodebench_int4::int4_rows` or `("rows", packed, out_features)` for
+    /// `decodebench_bf16::bf16_rows`; a table `("int4", words, scales, group, columns)` as the checkpoint
+    /// stores it or `("rows", packed)`, tied to a `rows` linear.
     #[new]
-    #[args(int4_linears = "None", int4_tables = "None")]
-    fn new(config_dict: &PyDict, weights: &PyDict, like: &PyAny, int4_linears: Option<&PyDict>,
-           int4_tables: Option<&PyDict>) -> PyResult<Self> {
+    #[args(linears = "None", tables = "None")]
+    fn new(config_dict: &PyDict, weights: &PyDict, like: &PyAny, linears: Option<&PyDict>,
+           tables: Option<&PyDict>) -> PyResult<Self> {
         let cfg = config(config_dict)?;
         let mut store = Weights { dense: HashMap::new(), linears: HashMap::new(), tables: HashMap::new() };
         for (name, value) in weights.iter() {
             store.dense.insert(name.extract::<String>()?, tensor(value)?);
         }
-        for (name, value) in int4_linears.map(|d| d.iter()).into_iter().flatten() {
-            let (words, scales, group, out): (&PyAny, &PyAny, i64, i64) = value.extract()?;
-            store.linears.insert(name.extract()?, Linear::Int4 { words: tensor(words)?, scales: tensor(scales)?, group, out });
+        for (name, value) in linears.map(|d| d.iter()).into_iter().flatten() {
+            store.linears.insert(name.extract()?, packed_linear(value)?);
         }
-        for (name, value) in int4_tables.map(|d| d.iter()).into_iter().flatten() {
-            let (packed, scale, group, cols): (&PyAny, &PyAny, i64, i64) = value.extract()?;
-            store.tables.insert(name.extract()?, Table::Int4 { packed: tensor(packed)?, scale: tensor(scale)?, group, cols });
+        for (name, value) in tables.map(|d| d.iter()).into_iter().flatten() {
+            store.tables.insert(name.extract()?, packed_table(value)?);
         }
         let model = Model::new(cfg, store, tensor(like)?).map_err(|e| PyValueError::new_err(e.0))?;
         Ok(Engine { model })
@@ -207,6 +235,8 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
         "linear_mv" => t[0].dense_linear(&t[1], true),
         "int4_linear" => t[0].int4_linear(&t[1], &t[2], s(0)? as i64, s(1)? as i64),
         "int4_lookup" => Tensor::int4_lookup(&t[0], &t[1], &t[2], s(0)? as i64, s(1)? as i64, &t[3]),
+        "bf16_rows" => t[0].bf16_rows(&t[1], s(0)? as i64),
+        "packed_rows" => Tensor::packed_rows(&t[0], &t[1]),
         "mul" => t[0].mul(&t[1]),
         "add" => t[0].add(&t[1]),
         "div_scalar" => t[0].div_scalar(s(0)?),

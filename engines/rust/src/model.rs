@@ -120,7 +120,7 @@ impl Model {
         let lm_head = match (weights.linear("lm_head.weight", &like), &embed) {
             (Ok(w), _) => w,
             (Err(_), Table::Dense(t)) => Linear::Dense(t.narrow(0, 0, t.size(0))?), // tied
-            (Err(e), Table::Int4 { .. }) => return Err(e), // a 4-bit table is no linear: the caller packs lm_head
+            (Err(e), _) => return Err(e), // a packed table is no linear: the caller packs lm_head too
         };
         let ple_table = weights.table("model.embed_tokens_per_layer.weight", &like)?;
         let ple_model_projection = weights.linear("model.per_layer_model_projection.weight", &like)?;

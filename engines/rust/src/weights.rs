@@ -1,6 +1,7 @@
-//! The model's weights as the Rust model holds them: a linear's and a vocabulary table's either dense or 4-bit
-//! (`engine.weights=int4`: multiplied by the project's `decodebench_int4::int4_rows`, looked up row by row), and
-//! the store they are taken from at construction, each moved to the model's device (that of `like`).
+//! The model's weights as the Rust model holds them: a linear's and a vocabulary table's dense, 4-bit
+//! (`engine.weights=int4`: multiplied by the project's `decodebench_int4::int4_rows`, looked up row by row) or
+//! packed for the project's bf16 kernel (`engine.one_row=rows`: `decodebench_bf16::bf16_rows`), and the store they
+//! are taken from at construction, each moved to the model's device (that of `like`).
 use std::collections::HashMap;
 
 use crate::aten::{AtenError, Result, Tensor};
@@ -10,6 +11,8 @@ pub enum Linear {
     Dense(Tensor),
     /// Packed for `int4_rows` (engines/int4_cpu.py, `pack`): `group` inputs a scale, `out` outputs.
     Int4 { words: Tensor, scales: Tensor, group: i64, out: i64 },
+    /// Packed for `bf16_rows` (engines/bf16_cpu.py, `pack`), `out` outputs.
+    Rows { packed: Tensor, out: i64 },
 }
 
 /// A table read by row, [rows, cols].
@@ -17,6 +20,8 @@ pub enum Table {
     Dense(Tensor),
     /// As the checkpoint stores it: int32 words [rows, cols/8] and one scale per `group` columns.
     Int4 { packed: Tensor, scale: Tensor, group: i64, cols: i64 },
+    /// A table tied to a linear packed for `bf16_rows`: its rows read from that packed weight (held once).
+    Rows { packed: Tensor },
 }
 
 impl Tensor {
@@ -25,6 +30,7 @@ impl Tensor {
         match w {
             Linear::Dense(t) => self.dense_linear(t, one_row_mv),
             Linear::Int4 { words, scales, group, out } => self.int4_linear(words, scales, *group, *out),
+            Linear::Rows { packed, out } => self.bf16_rows(packed, *out),
         }
     }
 }
@@ -36,6 +42,7 @@ impl Linear {
             Linear::Int4 { words, scales, group, out } => {
                 Linear::Int4 { words: words.to_device_of(like)?, scales: scales.to_device_of(like)?, group, out }
             }
+            Linear::Rows { packed, out } => Linear::Rows { packed: packed.to_device_of(like)?, out },
         })
     }
 }
@@ -46,6 +53,7 @@ impl Table {
         match self {
             Table::Dense(t) => t.index_select(0, ids),
             Table::Int4 { packed, scale, group, cols } => Tensor::int4_lookup(packed, scale, ids, *group, *cols, like),
+            Table::Rows { packed } => Tensor::packed_rows(packed, ids),
         }
     }
 
@@ -55,6 +63,7 @@ impl Table {
             Table::Int4 { packed, scale, group, cols } => {
                 Table::Int4 { packed: packed.to_device_of(like)?, scale: scale.to_device_of(like)?, group, cols }
             }
+            Table::Rows { packed } => Table::Rows { packed: packed.to_device_of(like)? },
         })
     }
 }
@@ -73,7 +82,7 @@ impl Weights {
         t.to_device_of(like)
     }
 
-    /// A linear's weight: the one given as such (4-bit), else the dense tensor.
+    /// A linear's weight: the one given packed (4-bit, or for `bf16_rows`), else the dense tensor.
     pub fn linear(&mut self, name: &str, like: &Tensor) -> Result<Linear> {
         match self.linears.remove(name) {
             Some(w) => w.to_device_of(like),
@@ -81,7 +90,7 @@ impl Weights {
         }
     }
 
-    /// A table's weight: the one given as such (4-bit), else the dense tensor.
+    /// A table's weight: the one given packed (4-bit, or tied to a `bf16_rows` linear), else the dense tensor.
     pub fn table(&mut self, name: &str, like: &Tensor) -> Result<Table> {
         match self.tables.remove(name) {
             Some(w) => w.to_device_of(like),
