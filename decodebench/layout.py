@@ -13,12 +13,35 @@ of each names the same geometry. ``config`` is a Gemma 4 text config (any object
   (``kv_sources``).
 * ``attend=filled`` reads the first ``bucket_for`` full slots: the filled ones rounded up to
   ``piece * 2**j``.
+* ``last_piece`` (``LastPiece``, ``piece_length``): the rows a prompt's last piece is read as.
 """
 
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import Any
+
+MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
+
+
+class LastPiece(StrEnum):
+    """How a prompt's last, partly filled piece is read: padded to a whole piece (the Rust article's and notebook
+    05's fixed shapes: two programs), padded only to a power of two of at least ``MIN_PIECE`` tokens (a program per
+    length), or read at its exact length (a program per distinct length: what a short prompt costs exactly)."""
+
+    padded = "padded"
+    bucketed = "bucketed"
+    exact = "exact"
+
+
+def piece_length(mode: LastPiece, count: int, piece: int) -> int:
+    """Tokens a piece holding ``count`` prompt tokens (at most ``piece``) is read as."""
+    if mode == LastPiece.padded or count == piece:
+        return piece
+    if mode == LastPiece.exact:
+        return count
+    return min(piece, max(MIN_PIECE, 2 ** math.ceil(math.log2(count))))
 
 
 def layers_of_config(config: Any) -> list[dict[str, Any]]:

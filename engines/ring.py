@@ -10,9 +10,9 @@
   ``engine.attend=exact``: the filled ones rounded up to whole pieces, one program dynamic in the slot
   count (TorchDynamo makes it so at the second count; not on a TPU): a long prompt's pieces read half the
   slots the cache holds on average, against two thirds with power-of-two buckets.
-* ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at
-  least ``MIN_PIECE`` tokens, so a 20-token prompt is read as 32 tokens, not 256 (a program per length);
-  ``exact`` reads it at its own length (a program per distinct length).
+* ``engine.last_piece=bucketed``: the prompt's last piece is padded only to a power of two of at least
+  ``MIN_PIECE`` tokens (``decodebench.layout``), so a 20-token prompt is read as 32 tokens, not 256 (a program per
+  length); ``exact`` reads it at its own length (a program per distinct length).
 * Every piece's last row is a prompt token: a padded piece holds its padding rows first (at the positions just
   past its prompt tokens, recorded as empty, so no query sees them and a later token overwrites their slots), except
   in the article's layout (``attend=cache last_piece=padded``), which pads at the end. Transformers is asked for
@@ -45,13 +45,12 @@ from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
 from decodebench.config import Tables, at_least
 from decodebench.device import Device
-from decodebench.layout import bucket_for, cache_layout, full_slots, kv_sources, ring_slots
+from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, ring_slots
 from engines.base import Generation
 from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 from engines.steps import batch_call
 
-MIN_PIECE = 16  # shortest padded last piece with last_piece=bucketed
 MAX_PROGRAMS = 64  # compiled programs a bucketed ring keeps per function (more than 2 * log2(131328 / 16))
 NO_MASKS = {"full_attention": None, "sliding_attention": None}  # attention builds its own from the record
 
@@ -63,16 +62,6 @@ class Attend(StrEnum):
 
     cache = "cache"
     filled = "filled"
-    exact = "exact"
-
-
-class LastPiece(StrEnum):
-    """How the ring reads a prompt's last, partly filled piece: padded to a whole piece (the article's
-    two programs), padded only to a power of two of at least 16 tokens (a program per length), or
-    read at its exact length (a program per distinct length: what a short prompt costs exactly)."""
-
-    padded = "padded"
-    bucketed = "bucketed"
     exact = "exact"
 
 
@@ -382,12 +371,7 @@ class RingEngine(SteppingEngine):
 
     def piece_length(self, count: int) -> int:
         """Tokens a piece holding ``count`` prompt tokens is padded to."""
-        mode = self.ctx.engine_cfg.last_piece
-        if mode == LastPiece.padded or count == self.ring.piece:
-            return self.ring.piece
-        if mode == LastPiece.exact:
-            return count
-        return min(self.ring.piece, max(MIN_PIECE, 2 ** math.ceil(math.log2(count))))
+        return piece_length(self.ctx.engine_cfg.last_piece, count, self.ring.piece)
 
     def before_step(self, position: int) -> None:
         self.fill_to(position + 1, "steps")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
-from decodebench.layout import full_slots, kv_sources, ring_slots
+from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, ring_slots
 from engines import int4, int4_cpu, one_row
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -28,7 +29,10 @@ from engines.one_row import OneRow, PackedEmbedding, PackedLinear
 class RustEngineConfig(EngineConfig):
     """Gemma 4 in Rust over ATen (engines/rust/), with the ring cache's layout and pieces. ``mode=fuse``
     runs every call under TorchTPU's defer-and-fuse (the Rust article's ``SERVE_DEFER_AND_FUSE=1``: a
-    compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``one_row``:
+    compiler cannot trace a Rust model, so fusion below ATen is how it is compiled; TPU only). ``last_piece``:
+    the rows a prompt's last piece is read as (``decodebench.layout``: ``padded``, a whole piece, the article's fixed
+    shapes; ``bucketed``, a power of two of at least 16; ``exact``, its own tokens: a short prompt costs its length,
+    not a piece; on a TPU each length is a program of its own). ``one_row``:
     which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on this CPU,
     measured on the model's shapes; ``mv`` is ``at::mv``, ``linear`` ``at::linear``, ``rows`` the project's
     ``decodebench_bf16::bf16_rows`` for every row count, its weight packed at load by the Python side). ``weights``:
@@ -39,6 +43,7 @@ class RustEngineConfig(EngineConfig):
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
+    last_piece: LastPiece = LastPiece.padded
     one_row: OneRow = OneRow.auto
     weights: Weights = Weights.dense
 
@@ -146,6 +151,7 @@ class RustEngine(Engine):
                                             tables={f"{p}.weight": w for p, w in tables.items()})  # fmt: skip
         self.model = model  # the weights Rust reads share its storage: what the engine holds, and its shapes
         self.build = dict(decodebench_rs.BUILD)
+        self.piece_lengths: Counter[int] = Counter()  # rows a prompt piece was read as -> pieces read so far
 
     def load_int4(self) -> Any:
         """The ``-emb4`` twin with its tables and linears swapped for the int4 modules the PyTorch engines hold
@@ -170,14 +176,18 @@ class RustEngine(Engine):
         callback (called with the GIL taken back)."""
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
         with tpu_eager_mode("fuse") if fused else contextlib.nullcontext():
+            piece = self.ctx.engine_cfg.piece
+            last_rows = piece_length(self.ctx.engine_cfg.last_piece, (len(prompt_ids) - 1) % piece + 1, piece)
             tokens, _, logits = self.native.decode(
                 prompt_ids,
                 max_new_tokens,
+                last_rows=last_rows,
                 read_every=self.ctx.read_every,
                 on_tokens=on_tokens,
                 return_logits=return_logits,
             )
         timers = self.native.timers
+        self.piece_lengths.update(self.native.read_rows)
         return Generation(
             tokens,
             None if logits is None else logits.float().cpu(),
@@ -196,6 +206,8 @@ class RustEngine(Engine):
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
         described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
+                     "last_piece": str(self.ctx.engine_cfg.last_piece),
+                     "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears}  # fmt: skip
         if self.int4:

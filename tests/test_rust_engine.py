@@ -20,6 +20,7 @@ from engines import bf16_cpu, int4
 from engines.rust_engine import RustEngine, int4_unsupported
 from runner import run_cell, typed_config
 from tests.conftest import opened
+from tests.test_engines import parity
 from tests.test_int4 import ROWS, packed_weight, runs_here
 
 if os.environ.get("CI"):  # CI builds the crate in `make setup`: a missing module is a failure there
@@ -231,3 +232,31 @@ def test_rows_rust_writes_the_reference_tokens_with_every_linear_packed(cell_cfg
     assert record["engine"]["row_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
     out = record["outputs"]["prompt"]
     assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("last_piece", ["bucketed", "exact"])
+def test_a_short_last_piece_writes_the_same_tokens(cell_cfg, tiny, last_piece):
+    """``engine.last_piece``: a prompt whose last piece is read as fewer rows than a piece (a 200-token wrap prompt
+    in pieces of 32: its last piece holds 8 tokens) writes Transformers' tokens, in the short and long prompts."""
+    record = parity(cell_cfg, "rust", f"engine.last_piece={last_piece}", "engine.piece=32", "experiment.wrap_piece=32",
+                    "experiment.wrap_extra=40")  # fmt: skip
+    assert record["engine"]["last_piece"] == last_piece
+    assert ("8" if last_piece == "exact" else "16") in record["engine"]["piece_lengths"]
+    for name in ("prompt", "long"):
+        out = record["outputs"][name]
+        assert out["first_difference"] is None and out["kl_max"] < 1e-6, name
+
+
+def test_last_rows_reads_fewer_rows_and_the_same_tokens(engine):
+    """The same tokens and logits for a 10-token prompt read as its 10 rows, 16, or a whole piece of 256; a count
+    below the last piece's tokens or above a piece is a ValueError."""
+    whole = engine.native.decode(PROMPT, 5, return_logits=True)
+    assert engine.native.read_rows == [256]
+    for rows in (len(PROMPT), 16):
+        tokens, finish, logits = engine.native.decode(PROMPT, 5, return_logits=True, last_rows=rows)
+        assert engine.native.read_rows == [rows] and tokens == whole[0] and finish == whole[1]
+        torch.testing.assert_close(logits, whole[2], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="last_rows=9: the last piece holds 10 tokens"):
+        engine.native.decode(PROMPT, 2, last_rows=9)
+    with pytest.raises(ValueError, match="last_rows=257"):
+        engine.native.decode(PROMPT, 2, last_rows=257)

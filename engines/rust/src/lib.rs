@@ -126,8 +126,9 @@ impl Engine {
         Ok(Engine { model })
     }
 
-    /// Greedy tokens after `ids`; returns (tokens, finish, logits [n, V] or None).
-    #[args(stop = "Vec::new()", read_every = "0", on_tokens = "None", return_logits = "false")]
+    /// Greedy tokens after `ids`; returns (tokens, finish, logits [n, V] or None). `last_rows`: the rows
+    /// the prompt's last piece is read as, from its own tokens to a whole piece (0: a whole piece).
+    #[args(stop = "Vec::new()", read_every = "0", on_tokens = "None", return_logits = "false", last_rows = "0")]
     fn decode(
         &mut self,
         py: Python<'_>,
@@ -137,12 +138,21 @@ impl Engine {
         read_every: i64,
         on_tokens: Option<PyObject>,
         return_logits: bool,
+        last_rows: i64,
     ) -> PyResult<(Vec<i64>, String, Option<PyObject>)> {
         if ids.is_empty() {
             return Err(PyValueError::new_err("the prompt is empty"));
         }
         if max_new < 1 {
             return Err(PyValueError::new_err(format!("max_new={max_new} must be at least 1")));
+        }
+        let piece = self.model.cfg.piece;
+        let last_tokens = (ids.len() as i64 - 1) % piece + 1;
+        let last_rows = if last_rows == 0 { piece } else { last_rows };
+        if last_rows < last_tokens || last_rows > piece {
+            return Err(PyValueError::new_err(format!(
+                "last_rows={last_rows}: the last piece holds {last_tokens} tokens and a piece {piece} rows"
+            )));
         }
         let slots = self.model.cfg.full_slots;
         let padded = (ids.len() as i64 + self.model.cfg.piece - 1) / self.model.cfg.piece * self.model.cfg.piece;
@@ -160,6 +170,7 @@ impl Engine {
         let result = py.allow_threads(|| {
             model.decode(
                 &ids,
+                last_rows,
                 max_new,
                 &stop,
                 read_every,
@@ -216,6 +227,12 @@ impl Engine {
         d.set_item("read_s", self.model.timers.0)?;
         d.set_item("decode_s", self.model.timers.1)?;
         Ok(d.into())
+    }
+
+    /// The rows each piece of the last prompt was read as.
+    #[getter]
+    fn read_rows(&self) -> Vec<i64> {
+        self.model.read_rows.clone()
     }
 
     /// Bytes held by the K/V buffers, from their shapes.

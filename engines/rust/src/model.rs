@@ -90,6 +90,8 @@ pub struct Model {
     ring: Ring,
     /// The last decode's phase seconds: (prompt read to the first token on the host, the rest).
     pub timers: (f64, f64),
+    /// The rows each piece of the last prompt was read as.
+    pub read_rows: Vec<i64>,
 }
 
 pub enum Finish {
@@ -188,6 +190,7 @@ impl Model {
             layers,
             ring,
             timers: (0.0, 0.0),
+            read_rows: Vec::new(),
         })
     }
 
@@ -307,14 +310,19 @@ impl Model {
         }
     }
 
-    /// Reads the prompt in pieces; returns the logits [1, V] at its last token.
-    fn read_prompt(&mut self, ids: &[i64]) -> Result<Tensor> {
+    /// Reads the prompt in pieces, each padded at its end to `piece` rows but the last, to `last_rows` (at least
+    /// its tokens); returns the logits [1, V] at its last token.
+    fn read_prompt(&mut self, ids: &[i64], last_rows: i64) -> Result<Tensor> {
         let piece = self.cfg.piece;
-        let offsets = Tensor::arange_i64(piece, &self.like)?;
+        let pieces = ids.chunks(piece as usize).count();
         let mut logits = None;
+        self.read_rows.clear();
         for (k, chunk) in ids.chunks(piece as usize).enumerate() {
+            let rows = if k + 1 == pieces { last_rows } else { piece };
+            self.read_rows.push(rows);
+            let offsets = Tensor::arange_i64(rows, &self.like)?;
             let mut padded = chunk.to_vec();
-            padded.resize(piece as usize, 0);
+            padded.resize(rows as usize, 0);
             let tokens = Tensor::from_i64s(&padded, &self.like)?;
             let positions = offsets.add_i64(k as i64 * piece)?;
             let valid = offsets.lt_scalar(chunk.len() as f64)?;
@@ -323,7 +331,7 @@ impl Model {
         logits.ok_or_else(|| err("empty prompt".into()))
     }
 
-    /// Greedy decode: at most `max_new` tokens. Tokens stay on the device and are read to the host
+    /// Greedy decode: at most `max_new` tokens, the prompt's last piece read as `last_rows` rows. Tokens stay on the device and are read to the host
     /// every `read_every` tokens, when `on_batch` gets them (it may return false to cancel); a token in
     /// `stop` ends the answer (checked at each read, the tokens after it dropped). `timers` gets the
     /// phase seconds: from the call's start until the first token is read back (the prompt read, a
@@ -331,6 +339,7 @@ impl Model {
     pub fn decode(
         &mut self,
         ids: &[i64],
+        last_rows: i64,
         max_new: i64,
         stop: &[i64],
         read_every: i64,
@@ -340,7 +349,7 @@ impl Model {
         let start = Instant::now();
         self.ring.ring_pos.fill_(-1.0)?;
         self.ring.full_pos.fill_(-1.0)?;
-        let mut logits = self.read_prompt(ids)?;
+        let mut logits = self.read_prompt(ids, last_rows)?;
         logits.argmax_last()?.to_i64s()?; // waits for the device: the prompt read ends here
         let first = Instant::now();
         let valid = Tensor::full_i64(1, 1, &self.like)?.ge_scalar(1.0)?;
