@@ -95,7 +95,7 @@ def headline(record: Record) -> str:
 def linear_shapes(model: torch.nn.Module) -> Shapes:
     """(in, out) features of every linear weight -> how many linears of each weight class have that shape."""
     shapes: Shapes = defaultdict(lambda: defaultdict(int))
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):  # lm_head by its name, also when tied
         kind = next((k for k, ends in WEIGHT_KINDS.items() if name.rpartition(".")[2] in ends), None)
         out_in = getattr(module, "out_features", None), getattr(module, "in_features", None)
         if kind and None not in out_in:
@@ -106,7 +106,7 @@ def linear_shapes(model: torch.nn.Module) -> Shapes:
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes each weight class reads per token: every buffer and parameter of its linears, as held."""
     held: dict[str, int] = defaultdict(int)
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):  # lm_head by its name, also when tied
         kind = next((k for k, ends in WEIGHT_KINDS.items() if name.rpartition(".")[2] in ends), None)
         if kind:
             held[kind] += sum(t.nbytes for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))

@@ -371,4 +371,4 @@ def test_the_servers_defaults_apply_where_the_engine_has_them_and_nothing_sets_t
     assert serving_settings(ring, [], None, "tpu") == {"engine.last_piece": "exact", "engine.attend": "filled"}
     assert serving_settings(ring, ["engine.attend=cache"], None, "cpu") == {"engine.last_piece": "exact"}
     assert serving_settings(ring, [], "nb05/ring-33k", "cpu") == {}, "a way is served as the article ran it"
-    assert serving_settings(rust, [], None, "cpu") == {}  # the Rust engine has neither setting
+    assert serving_settings(rust, [], None, "cpu") == {"engine.last_piece": "exact"}  # it has no engine.attend
