@@ -815,10 +815,11 @@ def peer_record(
     quant: str | None = None,
     startup_s: float = 30.0,
     rss: int = 3_400_000_000,
+    sweep: str = "s",
 ) -> dict:
     """A peer's decode cell: ``cell_record`` with the ``engine`` block a peer describes itself with
     (``engines.peer``; a llama.cpp q4_* file keeps its linears 4-bit)."""
-    record = cell_record(engine, values, settings={"quant": quant} if quant else None)
+    record = cell_record(engine, values, settings={"quant": quant} if quant else None, sweep=sweep)
     weights = {"twin": "ct-text", "path": "/twins/m-ct-text"}
     if quant:
         weights |= {"quant": quant, "gguf_bytes": 1_500_000_000, "conversion_s": None}
@@ -859,7 +860,7 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     )
     ev, _, decode = judged(tmp_path)
     (table,) = peer_tables(decode, ev.records)
-    assert table.title == "m on cpu (cpu), synthetic weights: context 256, N=8, P=10, env env-a"
+    assert table.title == "m on cpu (cpu), synthetic weights: context 256, N=8, P=10, env env-a, sweep s"
     assert list(table.rows.way) == ["ring·int4", "llama.cpp q8_0", "llama.cpp q4_0", "vLLM", "ring·dense"]
     rows = table.rows.set_index("way")
     assert table.fastest_peer == "llama.cpp q4_0" and rows.loc["llama.cpp q4_0"].x_shown == "–"
@@ -909,6 +910,30 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
     )
     assert f"{int4_line} VALID |" in peers and f"{q4_line} 1.50 GB |" in peers
+
+
+def test_each_sweep_sets_its_ways_beside_its_own_peers(tmp_path):
+    """One way and one peer measured in two sweeps (the same commit and settings: one decode row each, pooled):
+    each sweep's table divides that sweep's samples alone, as a machine whose read moved between runs needs."""
+    q4_s, q4_t, int4 = (40.0, 44.0), (80.0, 88.0), (60.0, 64.0)
+    write(
+        tmp_path,
+        cell_record("ring", experiment="parity", settings={"weights": "int4"}),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "q4_0"}),
+        *(cell_record("ring", int4, settings={"weights": "int4"}, sweep=sweep) for sweep in ("s", "t")),
+        peer_record("llamacpp", q4_s, quant="q4_0", sweep="s"),
+        peer_record("llamacpp", q4_t, quant="q4_0", sweep="t"),
+    )
+    ev, _, decode = judged(tmp_path)
+    assert len(decode) == 2 and all(len(v) == 4 for v in decode.decode_values), "each row pools both sweeps"
+    tables = peer_tables(decode, ev.records)
+    assert [t.title.rpartition(", sweep ")[2] for t in tables] == ["s", "t"]
+    for table, q4 in zip(tables, (q4_s, q4_t), strict=True):
+        rows = table.rows.set_index("way")
+        ratio = rows.loc["ring·int4"].x_same_precision.interval
+        assert (ratio.value, ratio.low, ratio.high) == pytest.approx(by_hand(int4, q4))
+        assert rows.loc["llama.cpp q4_0"].decode.value == statistics.median(q4)
+        assert [Path(f).parent.name for f in rows.loc["ring·int4"].files] == [table.title[-1]]
 
 
 def test_a_way_is_set_beside_its_precisions_peer_even_when_that_peer_is_not_valid(tmp_path):

@@ -8,8 +8,10 @@ of its own); an in-process way is a VALID, bare (not served) row without one, an
 precision class: ``int4`` when every linear is held 4-bit (the row's method key says ``kept_4bit`` "all linears":
 ``engine.weights=int4``, or the evidence's ``kept_4bit``, as llama.cpp's q4_* files record), ``dense`` otherwise.
 
-One table per model, device, hardware, environment (fingerprint), context, N and prompt tokens (``PEER_GROUP``) that
-has a peer row: rows measured otherwise are never divided by each other. Units: decode rates in tok/s (the median of
+One table per model, device, hardware, environment (fingerprint), context, N and prompt tokens (``PEER_GROUP``) and
+per sweep with a peer row in it: a row's figures there are its cells of that sweep alone (``by_sweep``), so each way
+stands beside the peers measured in the same run (a machine's read moves between runs), and rows measured otherwise
+are never divided by each other. Units: decode rates in tok/s (the median of
 the row's pooled samples with its 95% interval and n); ``x_fastest_peer`` the row's median over the fastest peer's
 (the fastest VALID peer, else the fastest), with the 95% interval from both rows' samples
 (``reports.uncertainty.ratio``, the environment's A/A noise floor beside it); ``startup_s`` seconds (a peer's own
@@ -65,28 +67,46 @@ def peer_tables(
     tables = []
     for key, group in decode.groupby(PEER_GROUP, sort=True, dropna=False):
         where = dict(zip(PEER_GROUP, key, strict=True))
-        blocks = {i: _engine_block(row, records) for i, row in group.iterrows()}
-        peers = [row for i, row in group.iterrows() if blocks[i].get("peer")]
-        if not peers:
-            continue
-        ways = [row for i, row in group.iterrows() if _in_process(row, blocks[i])]
-        by_class = [_fastest([w for w in ways if precision(w.method) == c]) for c in (DENSE, INT4)]
-        fastest_ways = [w for w in by_class if w is not None]
-        valid_peer = _fastest([p for p in peers if p.verdict == VALID])
-        fastest_peer = valid_peer if valid_peer is not None else _fastest(peers)
-        floor = (floors or {}).get(where["fingerprint"])
-        shown = [*peers, *fastest_ways]
-        rows = pd.DataFrame(
-            [_row(r, blocks[r.name], fastest_peer, floor, records) for r in shown], columns=PEER_COLUMNS
-        )
-        rows["way"] = _unique_ways(list(rows.way), shown)
-        _same_precision(rows, shown, peers, floor)
-        rate = [-(r.decode_median if r.n > 0 else float("-inf")) for r in shown]  # fastest first, unmeasured last
-        rows = rows.assign(_rate=rate).sort_values(["_rate", "way"]).drop(columns="_rate").reset_index(drop=True)
-        peer_way = None if fastest_peer is None else rows.way[rows.decode_row == fastest_peer.name].iloc[0]
-        verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways)) + _at_own_precision(rows)
-        tables.append(PeerTable(_title(where), where["model"], where["device"], rows, peer_way, verdict))
+        for sweep in sorted({s for by_sweep in group.by_sweep for s in by_sweep}):
+            in_sweep = [part for _, row in group.iterrows() if (part := _in_sweep(row, sweep)) is not None]
+            if table := _table(where, sweep, in_sweep, records, (floors or {}).get(where["fingerprint"])):
+                tables.append(table)
     return tables
+
+
+def _in_sweep(row: pd.Series, sweep: str) -> pd.Series | None:
+    """The decode row as its cells of ``sweep`` alone measured it (its samples, interval and files there), or None
+    where none of its pooled cells is of that sweep."""
+    part = (row.by_sweep or {}).get(sweep)
+    if part is None:
+        return None
+    interval, values = part["interval"], part["values"]
+    measured = {"decode": interval, "decode_values": values, "n": len(values), "files": part["files"],
+                "decode_median": None if interval is None else interval.value}  # fmt: skip
+    return pd.Series({**row.to_dict(), **measured}, name=row.name)
+
+
+def _table(where: dict[str, Any], sweep: str, group: list[pd.Series], records: dict[str, dict[str, Any]],
+           floor: float | None) -> PeerTable | None:  # fmt: skip
+    """The peers table of one sweep's rows (None when it holds no peer)."""
+    blocks = {row.name: _engine_block(row, records) for row in group}
+    peers = [row for row in group if blocks[row.name].get("peer")]
+    if not peers:
+        return None
+    ways = [row for row in group if _in_process(row, blocks[row.name])]
+    by_class = [_fastest([w for w in ways if precision(w.method) == c]) for c in (DENSE, INT4)]
+    fastest_ways = [w for w in by_class if w is not None]
+    valid_peer = _fastest([p for p in peers if p.verdict == VALID])
+    fastest_peer = valid_peer if valid_peer is not None else _fastest(peers)
+    shown = [*peers, *fastest_ways]
+    rows = pd.DataFrame([_row(r, blocks[r.name], fastest_peer, floor, records) for r in shown], columns=PEER_COLUMNS)
+    rows["way"] = _unique_ways(list(rows.way), shown)
+    _same_precision(rows, shown, peers, floor)
+    rate = [-(r.decode_median if r.n > 0 else float("-inf")) for r in shown]  # fastest first, unmeasured last
+    rows = rows.assign(_rate=rate).sort_values(["_rate", "way"]).drop(columns="_rate").reset_index(drop=True)
+    peer_way = None if fastest_peer is None else rows.way[rows.decode_row == fastest_peer.name].iloc[0]
+    verdict = _verdict(rows, fastest_peer, peer_way, _fastest(fastest_ways)) + _at_own_precision(rows)
+    return PeerTable(_title(where, sweep), where["model"], where["device"], rows, peer_way, verdict)
 
 
 def _same_precision(rows: pd.DataFrame, shown: list[pd.Series], peers: list[pd.Series], floor: float | None) -> None:
@@ -220,7 +240,7 @@ def _weights(row: pd.Series, block: dict[str, Any]) -> str:
     return f"{twin} twin" + ("" if block.get("peer") or kept in (None, "none") else f", 4-bit: {kept}")
 
 
-def _title(where: dict[str, Any]) -> str:
+def _title(where: dict[str, Any], sweep: str) -> str:
     """What a table's rows share, for its heading."""
     hardware = f" ({where['hardware']})" if isinstance(where["hardware"], str) else ""
     synthetic = ", synthetic weights" if where["synthetic"] else ""
@@ -230,7 +250,7 @@ def _title(where: dict[str, Any]) -> str:
     sequences = f", B={batch} sequences a step" if batch > 1 else ""
     return (
         f"{where['model']} on {where['device']}{hardware}{synthetic}: context {where['context']}{n}{prompt}"
-        f"{sequences}, env {where['fingerprint']}"
+        f"{sequences}, env {where['fingerprint']}, sweep {sweep}"
     )
 
 
