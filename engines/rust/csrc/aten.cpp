@@ -90,6 +90,7 @@ T db_linear(T x, T w, int one_row_mv) {
     return at::linear(*x, *w);
   });
 }
+
 // x @ w.T for a weight held 4-bit: decodebench_int4::int4_rows (engines/csrc/int4_rows.cpp).
 T db_int4_linear(T x, T words, T scales, int64_t group, int64_t out) {
   return guarded([&] {
@@ -150,6 +151,7 @@ T db_int4_lookup(T packed, T scale, T ids, int64_t group, int64_t cols, T like) 
     return levels.view({n, -1, group}).mul(scales).view({n, cols}).to(like->scalar_type());
   });
 }
+
 // Rows `ids` of a bf16 weight packed for bf16_rows ([tiles, in/2, 16, 2]): a table tied to that weight, held once
 // (engines/bf16_cpu.py, `row_of`).
 T db_packed_rows(T packed, T ids) {

@@ -115,8 +115,8 @@ fn err(message: String) -> AtenError {
 }
 
 impl Model {
-    /// Builds the model from its weights (names as Transformers' Gemma4ForCausalLM has them, the
-    /// linears and tables held 4-bit among `weights`' own); every weight is moved to the device of `like`.
+    /// Builds the model from its weights (names as Transformers' Gemma4ForCausalLM has them, a linear or
+    /// table given packed taken in place of its dense tensor); every weight is moved to the device of `like`.
     pub fn new(cfg: Config, mut weights: Weights, like: Tensor) -> Result<Model> {
         let embed = weights.table("model.embed_tokens.weight", &like)?;
         let lm_head = match (weights.linear("lm_head.weight", &like), &embed) {
@@ -331,8 +331,8 @@ impl Model {
         logits.ok_or_else(|| err("empty prompt".into()))
     }
 
-    /// Greedy decode: at most `max_new` tokens, the prompt's last piece read as `last_rows` rows. Tokens stay on the device and are read to the host
-    /// every `read_every` tokens, when `on_batch` gets them (it may return false to cancel); a token in
+    /// Greedy decode: at most `max_new` tokens, the prompt's last piece read as `last_rows` rows. Tokens
+    /// stay on the device and are read to the host every `read_every` tokens, when `on_batch` gets them (it may return false to cancel); a token in
     /// `stop` ends the answer (checked at each read, the tokens after it dropped). `timers` gets the
     /// phase seconds: from the call's start until the first token is read back (the prompt read, a
     /// device wait), and from then until the last token is on the host.
