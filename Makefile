@@ -156,7 +156,7 @@ PEERS_RUN = $(BIN)/python run.py -m hydra/launcher=isolated model=$(PEERS_MODEL)
   $(if $(RESUME),resume=true)
 PEERS_STEPS := "experiment=decode max_new_tokens=64" "experiment=parity-bf16 max_new_tokens=16" \
   "experiment=load max_new_tokens=16"
-PEERS_ENGINES := "engine=generate,compiled,rust,jax" "engine=ring engine.weights=dense,int4" \
+PEERS_ENGINES := "engine=generate,compiled,jax" "engine=ring engine.weights=dense,int4" "engine=rust engine.weights=dense,int4" \
   "engine=llamacpp engine.quant=bf16,q8_0,q4_0" "engine=vllm"
 PEERS_BATCHES ?= 1,2,4,8
 PEERS_SLOTS ?= 8
