@@ -56,7 +56,6 @@ class OneRow(StrEnum):
     rows = "rows"
 
 
-
 @dataclass(frozen=True)
 class Choice:
     """What ``engine.one_row`` resolved to and why: ``how`` is ``set`` (on the command line), ``not a CPU``,
@@ -159,6 +158,12 @@ def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cac
     if path is not None:
         write_text_atomic(path, json.dumps({**key, **choice.record()}, indent=2) + "\n")
     return choice
+
+
+def choose_for(model: nn.Module, requested: OneRow, device_kind: str, cache_dir: str | Path | None) -> Choice:
+    """``choose`` over ``model``'s dense linear weights (``dense_linears``), holding no reference to them after, so
+    that ``rows`` frees each original weight as soon as it is packed."""
+    return choose(requested, device_kind, [m.weight for m in dense_linears(model)], cache_dir)
 
 
 @torch.library.custom_op("decodebench::one_row_mv", mutates_args=())

@@ -128,10 +128,8 @@ class RustEngine(Engine):
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         model = self.load_int4() if self.int4 else load_model(self.checkpoint, dtype, device)[0]
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
-        dense = [m.weight for m in one_row.dense_linears(model)]
-        self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, dense,
-                                             self.ctx.cache_dir)  # fmt: skip
-        del dense  # rows: each original weight is freed as soon as it is packed, not held to the end
+        self.one_row_choice = one_row.choose_for(model, self.ctx.engine_cfg.one_row, self.ctx.device.kind,
+                                                 self.ctx.cache_dir)  # fmt: skip
         self.one_row = self.one_row_choice.one_row
         self.row_linears = one_row.pack_dense_linears(model) if self.one_row == OneRow.rows else 0
         config["one_row_mv"] = self.one_row == OneRow.mv

@@ -145,10 +145,8 @@ class SteppingEngine(SteppedEngine):
         self.row_linears = 0
         self.one_row_choice = None
         if self.takes_one_row():
-            weights = [m.weight for m in one_row.dense_linears(self.model)]
-            self.one_row_choice = one_row.choose(self.ctx.engine_cfg.one_row, self.ctx.device.kind, weights,
-                                                 self.ctx.cache_dir)  # fmt: skip
-            del weights  # rows: each original weight is freed as soon as it is packed, not held to the end
+            self.one_row_choice = one_row.choose_for(self.model, self.ctx.engine_cfg.one_row, self.ctx.device.kind,
+                                                     self.ctx.cache_dir)  # fmt: skip
             if self.one_row_choice.one_row == OneRow.mv:
                 self.row_linears = one_row.swap_dense_linears(self.model)
             elif self.one_row_choice.one_row == OneRow.rows:

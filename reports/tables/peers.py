@@ -9,10 +9,11 @@ precision class: ``int4`` when every linear is held 4-bit (the row's method key 
 ``engine.weights=int4``, or the evidence's ``kept_4bit``, as llama.cpp's q4_* files record), ``dense`` otherwise.
 
 One table per model, device, hardware, environment (fingerprint), context, N and prompt tokens (``PEER_GROUP``) and
-per sweep with a peer row in it: a row's figures there are its cells of that sweep alone (``by_sweep``), so each way
-stands beside the peers measured in the same run (a machine's read moves between runs), and rows measured otherwise
-are never divided by each other. Units: decode rates in tok/s (the median of
-the row's pooled samples with its 95% interval and n); ``x_fastest_peer`` the row's median over the fastest peer's
+per sweep with a peer row in it: a row's decode samples, interval and files there are its cells of that sweep alone
+(``by_sweep``), so each way stands beside the peers measured in the same run (a machine's read moves between runs),
+and rows measured otherwise are never divided by each other; its load seconds and peak memory stay the decode
+table's (over all its files). Units: decode rates in tok/s (the median of the sweep's samples with its 95% interval
+and n); ``x_fastest_peer`` the row's median over the fastest peer's
 (the fastest VALID peer, else the fastest), with the 95% interval from both rows' samples
 (``reports.uncertainty.ratio``, the environment's A/A noise floor beside it); ``startup_s`` seconds (a peer's own
 start to readiness, the median over its files; an in-process way's ``load_s``); ``memory_peak_bytes`` bytes (a peer's
@@ -77,7 +78,7 @@ def peer_tables(
 def _in_sweep(row: pd.Series, sweep: str) -> pd.Series | None:
     """The decode row as its cells of ``sweep`` alone measured it (its samples, interval and files there), or None
     where none of its pooled cells is of that sweep."""
-    part = (row.by_sweep or {}).get(sweep)
+    part = row.by_sweep.get(sweep)
     if part is None:
         return None
     interval, values = part["interval"], part["values"]
@@ -86,14 +87,14 @@ def _in_sweep(row: pd.Series, sweep: str) -> pd.Series | None:
     return pd.Series({**row.to_dict(), **measured}, name=row.name)
 
 
-def _table(where: dict[str, Any], sweep: str, group: list[pd.Series], records: dict[str, dict[str, Any]],
+def _table(where: dict[str, Any], sweep: str, in_sweep: list[pd.Series], records: dict[str, dict[str, Any]],
            floor: float | None) -> PeerTable | None:  # fmt: skip
-    """The peers table of one sweep's rows (None when it holds no peer)."""
-    blocks = {row.name: _engine_block(row, records) for row in group}
-    peers = [row for row in group if blocks[row.name].get("peer")]
+    """The peers table of one sweep's rows (``_in_sweep``; None when none is a peer's)."""
+    blocks = {row.name: _engine_block(row, records) for row in in_sweep}
+    peers = [row for row in in_sweep if blocks[row.name].get("peer")]
     if not peers:
         return None
-    ways = [row for row in group if _in_process(row, blocks[row.name])]
+    ways = [row for row in in_sweep if _in_process(row, blocks[row.name])]
     by_class = [_fastest([w for w in ways if precision(w.method) == c]) for c in (DENSE, INT4)]
     fastest_ways = [w for w in by_class if w is not None]
     valid_peer = _fastest([p for p in peers if p.verdict == VALID])
