@@ -266,9 +266,10 @@ class RingEngine(SteppingEngine):
     @classmethod
     def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
         """A program per bucket and length: keep them all, never evict (one program per function otherwise)."""
+        settings = super().dynamo_settings(engine_cfg)
         if engine_cfg.attend != Attend.cache or engine_cfg.last_piece != LastPiece.padded:
-            return {"recompile_limit": MAX_PROGRAMS}
-        return {}
+            return {**settings, "recompile_limit": MAX_PROGRAMS}
+        return settings
 
     @classmethod
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:

@@ -105,6 +105,14 @@ class SteppingEngine(SteppedEngine):
     keep_packed: tuple[str, ...] = ()  # vocabulary tables this engine always keeps 4-bit
 
     @classmethod
+    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
+        """The frozen model's tensors held by each compiled program (``install_free_tensors``: graph attributes)
+        instead of gathered again before every call as its inputs: on E2B with int4 linears that gathering was
+        5,500 bytecode instructions (860 tensors looked up module by module), 0.39 ms a step under the profiler;
+        231 instructions and 0.006 ms held. The engine's own state (caches, rings, tokens) stays an input."""
+        return {"install_free_tensors": True}
+
+    @classmethod
     def kept_4bit(cls, engine_cfg: Any) -> tuple[str, ...]:
         """The vocabulary tables this engine keeps packed 4-bit (read from the ``-emb4`` twin) as configured."""
         return cls.keep_packed

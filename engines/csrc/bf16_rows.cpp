@@ -66,7 +66,7 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_
                   packed.sizes() == at::IntArrayRef({tiles, in / 2, kTile, 2}),
               "packed: [", tiles, ", ", in / 2, ", 16, 2] bfloat16 contiguous, got ", packed.sizes());
   const at::Tensor rows = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = output_for(x, out_features);
   const auto* xp = rows.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();

@@ -128,7 +128,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& words, const at::Ten
   TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({tiles, x.size(1) / group, kTile}),
               "scales: [", tiles, ", ", x.size(1) / group, ", 16] contiguous, got ", scales.sizes());
   const at::Tensor rows = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = output_for(x, out_features);
   switch (scales.scalar_type()) {
     case at::kHalf: all_rows<c10::Half>(rows, words, scales, group, y); break;
     case at::kBFloat16: all_rows<c10::BFloat16>(rows, words, scales, group, y); break;
