@@ -8,7 +8,8 @@ of each names the same geometry. ``config`` is a Gemma 4 text config (any object
   (``full_slots``), so a padded last piece fits.
 * Sliding layers keep a ring of ``window + piece`` slots, the window rounded up to whole pieces
   (``ring_slots``): a piece of the prompt lands in contiguous slots and never overwrites a key the same
-  piece still needs.
+  piece still needs; or the full layers' slots where those are fewer (``sliding_slots``): a context that
+  short never wraps, and a step reads no slot it can never fill.
 * KV-shared layers read the buffers of the last cache-owning layer of their own attention type
   (``kv_sources``).
 * ``attend=filled`` reads the first ``bucket_for`` full slots: the filled ones rounded up to
@@ -82,6 +83,12 @@ def full_slots(context: int, piece: int) -> int:
     return math.ceil(context / piece) * piece
 
 
+def sliding_slots(window: int, piece: int, context: int) -> int:
+    """Slots a sliding layer holds: its ring, or the full layers' slots where fewer (a context no longer than the
+    ring never wraps it; at E2B's window 512, piece 256 and context 256: 256 slots a step reads, not 768)."""
+    return min(ring_slots(window, piece), full_slots(context, piece))
+
+
 def bucket_for(needed: int, piece: int, full: int) -> int:
     """Full-layer slots read when ``needed`` positions are filled: ``piece * 2**j``, at most ``full``."""
     pieces = math.ceil(needed / piece)
@@ -96,7 +103,7 @@ def cache_layout(config: Any, context: int, piece: int) -> dict[str, Any]:
         "full_layers": len(full),
         "full_slots": full_slots(context, piece),
         "sliding_layers": len(owners) - len(full),
-        "ring_slots": ring_slots(config.sliding_window, piece),
+        "ring_slots": sliding_slots(config.sliding_window, piece, context),
         "shared_layers": config.num_hidden_layers - len(owners),
         "sliding_window": config.sliding_window,
         "piece": piece,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decodebench.layout import full_slots, layers_of_config, ring_slots
+from decodebench.layout import full_slots, layers_of_config, sliding_slots
 
 
 class Int4(NamedTuple):
@@ -78,7 +78,7 @@ def plan_of(config: Any, context: int, piece: int, dtype: Any, matmul: str) -> P
         ple_dim=config.hidden_size_per_layer_input,
         window=config.sliding_window,
         piece=piece,
-        ring_slots=ring_slots(config.sliding_window, piece),
+        ring_slots=sliding_slots(config.sliding_window, piece, context),
         full_slots=full_slots(context, piece),
         first_shared=shared[0] if shared else len(layers),
         eps=config.rms_norm_eps,

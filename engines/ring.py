@@ -45,7 +45,7 @@ from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
 from decodebench.config import Tables, at_least
 from decodebench.device import Device
-from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, ring_slots
+from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, sliding_slots
 from engines.base import Generation
 from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
@@ -101,7 +101,7 @@ class RingCache:
         self.batch = batch
         self.window = config.sliding_window
         self.piece = piece
-        self.ring_slots = ring_slots(self.window, piece)
+        self.ring_slots = sliding_slots(self.window, piece, context)
         self.full_slots = full_slots(context, piece)
         self.source = dict(enumerate(kv_sources(config)))
         self.sliding = {i: t == "sliding_attention" for i, t in enumerate(config.layer_types)}

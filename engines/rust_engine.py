@@ -18,7 +18,7 @@ import torch
 from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
-from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, ring_slots
+from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
 from engines import int4, int4_cpu, one_row
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -87,7 +87,7 @@ def model_config(model: Any, context: int, piece: int, dtype: torch.dtype) -> di
         "window": cfg.sliding_window,
         "piece": piece,
         "context": context,
-        "ring_slots": ring_slots(cfg.sliding_window, piece),
+        "ring_slots": sliding_slots(cfg.sliding_window, piece, context),
         "full_slots": full_slots(context, piece),
         "eps": cfg.rms_norm_eps,
         "softcap": cfg.final_logit_softcapping,

@@ -54,6 +54,22 @@ def test_ring_wraps_around_and_keeps_two_programs(cell_cfg, tiny):
     assert record["engine"]["graphs"] == 2 and record["engine"]["graph_breaks"] == 0
 
 
+@pytest.mark.parametrize("engine", ["ring", "rust", "jax"])
+def test_short_context_rings_hold_its_slots_alone(cell_cfg, tiny, engine):
+    """At context=256 with pieces of 256 tokens a sliding ring of window + piece (128 + 256 rounded: 512 slots)
+    could never fill: it holds the full layers' 256, never wraps, and the window is still kept by the mask (the
+    long prompt, 200 tokens, runs past tiny's window of 128 within those slots)."""
+    if engine == "rust":
+        pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
+    record = parity(cell_cfg, engine, "context=256", "experiment.wrap_piece=32", "experiment.wrap_extra=40")
+    layout = record["engine"]["layout"]
+    assert layout["ring_slots"] == layout["full_slots"] == 256
+    for name in ("prompt", "long"):
+        out = record["outputs"][name]
+        assert out["first_difference"] is None and out["kl_max"] < 1e-6, name
+    assert record["outputs"]["long"]["prompt_tokens"] > record["config"]["model"]["sliding_window"]
+
+
 def test_compiled_refuses_past_the_window(cell_cfg, tiny):
     record = parity(cell_cfg, "compiled")
     assert record["outputs"]["long"]["status"] == "skipped"
