@@ -117,8 +117,9 @@ class Engine(ABC):
         return []
 
     @classmethod
-    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
-        """TorchDynamo settings this engine needs while it is open (``engines.open`` sets and restores them)."""
+    def dynamo_settings(cls, engine_cfg: Any, device: Device) -> dict[str, Any]:
+        """TorchDynamo settings this engine needs while it is open on ``device`` (``engines.open`` sets and restores
+        them)."""
         return {}
 
     @abstractmethod

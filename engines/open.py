@@ -45,9 +45,9 @@ class FrameworkState:
     engine's own settings while it is open (``Engine.dynamo_settings``), and is reset when it closes (its
     compiled programs go with it). Nothing runs if the engine is never closed (no finalizer)."""
 
-    def __init__(self, cls: type[Engine], engine_cfg: Any) -> None:
+    def __init__(self, cls: type[Engine], engine_cfg: Any, device: Device) -> None:
         self.torch = cls.framework == "torch"
-        self.settings = torch._dynamo.config.patch(cls.dynamo_settings(engine_cfg)) if self.torch else None
+        self.settings = torch._dynamo.config.patch(cls.dynamo_settings(engine_cfg, device)) if self.torch else None
 
     def open(self) -> None:
         if self.torch:
@@ -118,7 +118,7 @@ class OpenEngine:
         """The engine, built (read onto the device) on the first call; the one place an engine is constructed."""
         if self.engine is None:
             freeze_what_came_before()
-            self.state = FrameworkState(self.cls, self.ctx.engine_cfg)
+            self.state = FrameworkState(self.cls, self.ctx.engine_cfg, self.ctx.device)
             self.state.open()
             self.engine = self.cls(self.ctx, self.checkpoint, self.tokenizer)
         return self.engine

@@ -264,9 +264,9 @@ class RingEngine(SteppingEngine):
         return ("embed_tokens_per_layer",) if engine_cfg.per_layer_table == Tables.int4 else ()
 
     @classmethod
-    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
+    def dynamo_settings(cls, engine_cfg: Any, device: Device) -> dict[str, Any]:
         """A program per bucket and length: keep them all, never evict (one program per function otherwise)."""
-        settings = super().dynamo_settings(engine_cfg)
+        settings = super().dynamo_settings(engine_cfg, device)
         if engine_cfg.attend != Attend.cache or engine_cfg.last_piece != LastPiece.padded:
             return {**settings, "recompile_limit": MAX_PROGRAMS}
         return settings

@@ -105,11 +105,15 @@ class SteppingEngine(SteppedEngine):
     keep_packed: tuple[str, ...] = ()  # vocabulary tables this engine always keeps 4-bit
 
     @classmethod
-    def dynamo_settings(cls, engine_cfg: Any) -> dict[str, Any]:
+    def dynamo_settings(cls, engine_cfg: Any, device: Device) -> dict[str, Any]:
         """The frozen model's tensors held by each compiled program (``install_free_tensors``: graph attributes)
         instead of gathered again before every call as its inputs: on E2B with int4 linears that gathering was
         5,500 bytecode instructions (860 tensors looked up module by module), 0.39 ms a step under the profiler;
-        231 instructions and 0.006 ms held. The engine's own state (caches, rings, tokens) stays an input."""
+        231 instructions and 0.006 ms held. The engine's own state (caches, rings, tokens) stays an input. Not for
+        TorchTPU's ``tpu`` backend, which would be handed the weights inside the program (not tried): there they
+        stay inputs, as in the article."""
+        if compile_backend(engine_cfg.backend, device) == "tpu":
+            return {}
         return {"install_free_tensors": True}
 
     @classmethod

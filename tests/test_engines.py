@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from decodebench.device import Device, resolve_device
 from decodebench.layout import bucket_for, kv_sources
@@ -255,3 +256,19 @@ def test_a_compiled_step_guards_the_engines_state_and_not_the_frozen_model():
         ("G['torch'].is_grad_enabled", "GRAD_MODE"),
     ]]  # fmt: skip
     assert frozen_model_guards(entries) == [False] * 5 + [True] * 5
+
+
+def test_a_compiled_step_holds_the_frozen_model_and_takes_the_ring_each_call(cell_cfg, tiny):
+    """The step's program holds the model's tensors (``install_free_tensors``): the code TorchDynamo runs before it
+    looks up the ring's buffers alone, not each weight through the module tree; on a TPU the weights stay inputs."""
+    run = typed_config(make_cfg("engine=ring"))
+    tpu = Device(kind="tpu", name="a TPU", torch_device=torch.device("cpu"))
+    assert RingEngine.dynamo_settings(run.engine, resolve_device("cpu", "torch"))["install_free_tensors"] is True
+    assert "install_free_tensors" not in RingEngine.dynamo_settings(run.engine, tpu)
+    opened_ring = opened("engine=ring", *COMPILED, f"cache_dir={tiny.root.parents[1]}")
+    try:
+        opened_ring.load().generate(opened_ring.encode("a short prompt"), 3)
+        [entry] = _debug_get_cache_entry_list(RingEngine.step.__code__)
+        assert "ring" in entry.code.co_names and "_modules" not in entry.code.co_names
+    finally:
+        opened_ring.close()
