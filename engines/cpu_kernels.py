@@ -2,10 +2,12 @@
 
 ``decodebench_int4::int4_rows`` (``engines.int4_cpu``, ``csrc/int4_rows.cpp``) multiplies bf16 rows by a W4A16
 weight, ``decodebench_bf16::bf16_rows`` (``engines.bf16_cpu``, ``csrc/bf16_rows.cpp``) by a bf16 one; both read a
-weight packed once at load into tiles of 16 outputs, front to back, and share ``csrc/rows.h``. They are built by
-torch's C++ extension loader (``main``, at setup: no test or cell compiles them) into ``build/`` and registered in
-C++ (``TORCH_LIBRARY``), so a compiled step calls each as one opaque operator. Where they cannot be built (no
-compiler) or run (the CPU lacks AVX-512 BF16) the engines use aten's kernels and the evidence names which ran.
+weight packed once at load into tiles of 16 outputs, front to back, and share ``csrc/rows.h``;
+``decodebench_attn::one_query`` (``engines.attention_cpu``, ``csrc/one_query.cpp``) is a decode step's attention.
+They are built by torch's C++ extension loader (``main``, at setup: no test or cell compiles them) into
+``build/`` and registered in C++ (``TORCH_LIBRARY``), so a compiled step calls each as one opaque operator. Where
+they cannot be built (no compiler) or run (the CPU lacks AVX-512 BF16) the engines use aten's kernels and the
+evidence names which ran.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp")
+SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp", CSRC / "one_query.cpp")
 BUILD = Path(__file__).parents[1] / "build" / f"cpu_kernels-torch{torch.__version__.replace('+', '-')}"
 # -fopenmp: ATen's parallel_for is inline code that shares the tiles among torch's threads only when the kernels are
 # compiled with OpenMP; without it every product ran on the calling thread (one core: a one-row bf16 product over a
@@ -65,6 +67,10 @@ def built() -> bool:
     @torch.library.register_fake("decodebench_bf16::bf16_rows")
     def _(x, packed, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("decodebench_attn::one_query")
+    def _(q, k, v, keep, scale):
+        return q.new_empty(*q.shape[:3], v.shape[3])
 
     return bool(torch.ops.decodebench_int4.supported())
 

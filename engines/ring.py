@@ -46,7 +46,9 @@ from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 from decodebench.config import Tables, at_least
 from decodebench.device import Device
 from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, sliding_slots
-from engines.base import Generation
+from engines import attention_cpu
+from engines.attention_cpu import DecodeAttention
+from engines.base import EngineLimit, Generation
 from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 from engines.steps import batch_call
@@ -77,13 +79,16 @@ class RingEngineConfig(SteppingEngineConfig):
     up to whole pieces, in one program made dynamic in the slot count (TorchDynamo's automatic dynamic
     shapes: a second program the first time the count changes, then no more; refused on a TPU, whose
     programs have fixed shapes). ``last_piece=bucketed``:
-    a short prompt costs about its length, not a whole piece. The defaults are the article's ring.
+    a short prompt costs about its length, not a whole piece. ``decode_attention``: which attention a decode step
+    calls (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere). The
+    defaults are the article's ring, but for ``decode_attention``.
     """
 
     piece: int = 256
     attend: Attend = Attend.cache
     last_piece: LastPiece = LastPiece.padded
     per_layer_table: Tables = Tables.int4
+    decode_attention: DecodeAttention = DecodeAttention.auto
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -210,10 +215,11 @@ def ring_attention(
     position_embeddings: Any,
     attention_mask: Any = None,
     shared_kv_states: Any = None,
+    one_query: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``Gemma4TextAttention.forward`` over the ring: the module's own projections (q, k and v joined where the engine
-    joined them), norms and RoPE."""
+    joined them), norms and RoPE; a decode step's attention by ``attention_cpu.one_query`` when ``one_query``."""
     batch, seq = hidden_states.shape[:2]
     shape = (batch, seq, -1, self.head_dim)
     cos, sin = position_embeddings
@@ -231,7 +237,7 @@ def ring_attention(
     keys, values = ring.read(self.layer_idx)
     if seq == 1:  # a decode step: fold the query heads (for a piece the G-times larger mask costs more)
         keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1], seq)
-        out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling)
+        out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling, one_query)
     else:
         keep = ring.mask(self.layer_idx, 1, seq)
         out = F.scaled_dot_product_attention(
@@ -241,15 +247,19 @@ def ring_attention(
 
 
 def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float, one_query: bool = False
 ) -> torch.Tensor:
     """SDPA with each K/V head's G = H/KV query heads folded into the query length: q [B, H, S, D],
     keys and values [B, KV, slots, D], keep [B, G*S, slots] (each sequence's [S, slots] mask repeated G times) ->
     [B, H, S, D]. The products are the same as with ``enable_gqa`` (head h reads K/V head h // G);
-    on a CPU one [G*S, slots] product per K/V head is far cheaper than G broadcast ones."""
+    on a CPU one [G*S, slots] product per K/V head is far cheaper than G broadcast ones. ``one_query``: the project's
+    kernel instead of aten's (``engines.attention_cpu``)."""
     batch, heads, seq, dim = q.shape
     folded = q.reshape(batch, keys.shape[1], heads // keys.shape[1] * seq, dim)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[:, None], scale=scale)
+    if one_query:
+        out = attention_cpu.one_query(folded, keys, values, keep, scale)
+    else:
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[:, None], scale=scale)
     return out.view(batch, heads, seq, values.shape[-1])
 
 
@@ -276,6 +286,10 @@ class RingEngine(SteppingEngine):
         if run_cfg.engine.attend == Attend.exact and device.kind == "tpu":
             return ("engine.attend=exact needs a program whose slot count changes from call to call (dynamic "
                     "shapes); a TPU compiles fixed shapes: engine.attend=filled has a program per bucket")  # fmt: skip
+        if run_cfg.engine.decode_attention == DecodeAttention.one_query and (
+            reason := attention_cpu.unsupported(device.kind, run_cfg.dtype.torch)
+        ):
+            return f"engine.decode_attention=one_query cannot run here: {reason}"
         return super().unsupported_reason(device, run_cfg)
 
     def dynamic_shapes(self) -> bool:
@@ -304,12 +318,29 @@ class RingEngine(SteppingEngine):
         self.article_layout = self.attend == Attend.cache and self.ctx.engine_cfg.last_piece == LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
+        self.decode_attention = self.choose_decode_attention()
+        one_query = self.decode_attention == attention_cpu.OP
         for layer in self.model.model.layers:
             attn = layer.self_attn
-            attn.forward = types.MethodType(lambda s, *a, **k: ring_attention(s, self.ring, *a, **k), attn)
+            attn.forward = types.MethodType(
+                lambda s, *a, **k: ring_attention(s, self.ring, *a, one_query=one_query, **k), attn
+            )
         device = self.ctx.device.torch_device
         self.piece_offsets = torch.arange(piece, device=device)
         self.compiled_piece = self.compile(self.read_piece)
+
+    def choose_decode_attention(self) -> str:
+        """The operator a decode step's attention calls (``engine.decode_attention``); ``one_query`` asked where the
+        model's head dims rule it out is this engine's limit (the cell is skipped)."""
+        requested = self.ctx.engine_cfg.decode_attention
+        if requested == DecodeAttention.sdpa:
+            return attention_cpu.SDPA
+        config = self.model.config
+        head_dims = {config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)}
+        reason = attention_cpu.unsupported(self.ctx.device.kind, self.ctx.dtype, head_dims)
+        if reason and requested == DecodeAttention.one_query:
+            raise EngineLimit(f"engine.decode_attention=one_query cannot run here: {reason}")
+        return attention_cpu.SDPA if reason else attention_cpu.OP
 
     def reset(self) -> None:
         self.ring.reset()
@@ -494,5 +525,6 @@ class RingEngine(SteppingEngine):
             "per_layer_table": str(self.ctx.engine_cfg.per_layer_table),
             "buckets": {str(b): n for b, n in sorted(self.buckets.items())},
             "last_piece": str(self.ctx.engine_cfg.last_piece),
+            "decode_attention": self.decode_attention,
             "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
         }

@@ -65,7 +65,8 @@ from experiments.profile_jax import JaxProfile
 MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::mv", "aten::addmv_",
            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "decodebench_int4::int4_rows",
            "decodebench_bf16::bf16_rows")  # fmt: skip
-ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention")
+ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax", "attention",
+             "decodebench_attn::one_query")  # fmt: skip
 LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
 LOGITS = ("aten::argmax", "aten::tanh")
 HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "aten::empty", "aten::empty_strided",

@@ -1,0 +1,85 @@
+"""``decodebench_attn.one_query`` (engines/attention_cpu.py) against a float64 reference, and the ring's choice of it.
+
+Exact means: each output within the bf16 rounding of the float64 attention plus what float32 sums of its products may
+lose. Shapes: E2B's (8 query rows over one K/V head of 256 and 512 dims) at slot counts that make one part and
+several, a batch of two with two K/V heads, keys and values read through a view of a longer cache (a bucket of the
+full layers), rows that see a few slots, and a row that sees none (zeros).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines import attention_cpu
+from runner import run_cell
+
+
+@pytest.fixture(scope="module")
+def _runs_here():
+    reason = attention_cpu.unsupported("cpu", torch.bfloat16)
+    if reason:
+        pytest.skip(f"{attention_cpu.OP}: {reason}")
+
+
+def reference(q, keys, values, keep, scale) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=keep[:, None],
+                                          scale=scale)  # fmt: skip
+
+
+@pytest.mark.usefixtures("_runs_here")
+@pytest.mark.parametrize(
+    ("batch", "heads", "rows", "slots", "dim"),
+    [(1, 1, 8, 256, 256), (1, 1, 8, 768, 256), (1, 1, 8, 300, 512), (2, 2, 8, 37, 64), (1, 1, 3, 1000, 32)],
+)
+def test_one_query_is_the_float64_attention_rounded_once(batch, heads, rows, slots, dim):
+    generator = torch.Generator().manual_seed(slots)
+    q = torch.randn(batch, heads, rows, dim, generator=generator).to(torch.bfloat16)
+    cache_k, cache_v = (torch.randn(batch, heads, slots + 7, dim, generator=generator).to(torch.bfloat16)
+                        for _ in range(2))  # fmt: skip
+    keys, values = cache_k[:, :, :slots], cache_v[:, :, :slots]  # a view: rows 7 slots longer apart per head
+    keep = torch.rand(batch, rows, slots, generator=generator) < 0.6
+    keep[:, 0] = False
+    keep[:, 0, slots // 2] = True  # a row that sees one slot: that slot's V
+    scale = dim**-0.5
+    got = attention_cpu.one_query(q, keys, values, keep, scale).double()
+    want = reference(q, keys, values, keep, scale)
+    assert got.shape == want.shape
+    bound = want.abs() * 2.0**-8 + values.double().abs().amax() * slots * 2.0**-24
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    assert torch.equal(got[:, :, 0], values[:, :, slots // 2].double())
+
+
+@pytest.mark.usefixtures("_runs_here")
+def test_one_query_gives_zeros_to_a_row_that_sees_no_slot():
+    q, keys, values = (torch.randn(1, 1, n, 64).to(torch.bfloat16) for n in (2, 100, 100))
+    keep = torch.ones(1, 2, 100, dtype=torch.bool)
+    keep[0, 1] = False
+    got = attention_cpu.one_query(q, keys, values, keep, 0.125)
+    assert torch.equal(got[0, 0, 1], torch.zeros(64, dtype=torch.bfloat16))
+    assert got[0, 0, 0].abs().sum() > 0
+
+
+def test_one_query_is_refused_by_name_where_it_cannot_run(cell_cfg, tiny):
+    """Asked for at float32 (the kernel computes bf16) the cell is skipped with the reason; the ring's own choice
+    (``auto``) takes aten's attention there and says so."""
+    refused = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "engine.decode_attention=one_query",
+                                "dtype=float32", "experiment=decode", "max_new_tokens=2", "repeats=1"))  # fmt: skip
+    assert refused["status"] == "skipped"
+    assert "engine.decode_attention=one_query cannot run here: it computes bf16 attention" in refused["reason"]
+    auto = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "dtype=float32", "experiment=decode",
+                             "max_new_tokens=2", "repeats=1"))  # fmt: skip
+    assert auto["status"] == "ok" and auto["engine"]["decode_attention"] == attention_cpu.SDPA
+
+
+@pytest.mark.usefixtures("_runs_here")
+@pytest.mark.parametrize("attention", ["one_query", "sdpa"])
+def test_the_ring_at_bf16_writes_the_reference_tokens_with_either_attention(cell_cfg, tiny, attention):
+    record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "experiment=parity-bf16", "context=256",
+                               f"engine.decode_attention={attention}"))  # fmt: skip
+    assert record["status"] == "ok", record["reason"]
+    assert record["outputs"]["verdict"] == "pass"
+    assert record["outputs"]["prompt"]["first_difference"] is None
+    expected = attention_cpu.OP if attention == "one_query" else attention_cpu.SDPA
+    assert record["engine"]["decode_attention"] == expected
