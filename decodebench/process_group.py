@@ -41,6 +41,9 @@ class ServerFailed(RuntimeError):
     """A server that did not come up, or went away while in use; the message ends with its log's tail."""
 
 
+GONE_S = 5.0  # how long a group signalled to end may take to leave /proc (a killed process exits, then is reaped)
+
+
 def members(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` (from /proc), oldest first."""
     found = []
@@ -52,6 +55,15 @@ def members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":  # field 5 (pgrp); a zombie holds no memory and runs nothing
             found.append(int(stat.parent.name))
     return sorted(found)
+
+
+def members_after(pgid: int, seconds: float) -> list[int]:
+    """The processes of group ``pgid`` still there after waiting up to ``seconds`` for it to empty: a process sent
+    SIGKILL is still listed (exiting) for a moment after its parent's wait returns."""
+    deadline = time.monotonic() + seconds
+    while (left := members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
 
 
 def status_bytes(pid: int, key: str) -> int | None:
@@ -161,7 +173,8 @@ class ServerGroup:
 
     def stop(self, stop_s: float = STOP_S) -> list[int]:
         """SIGTERM to the whole group, SIGKILL after ``stop_s`` seconds, the guard waited for; the pids that were
-        still in the group after that and were killed (none when the server stops as asked)."""
+        still in the group ``GONE_S`` seconds after that and were killed (none when the server stops as asked).
+        Returns once the group has left /proc (or ``GONE_S`` more seconds have passed)."""
         if self.guard is None or self.stopped_by is not None:
             return []
         self.stopped_by = "exited" if self.guard.poll() is not None else "SIGTERM"
@@ -172,9 +185,10 @@ class ServerGroup:
             self.stopped_by = "SIGKILL"
             signal_group(self.pgid, signal.SIGKILL)
             self.guard.wait()
-        left = members(self.pgid)
+        left = members_after(self.pgid, GONE_S)
         for pid in left:
             kill(pid, signal.SIGKILL)
+        members_after(self.pgid, GONE_S)
         return left
 
 
