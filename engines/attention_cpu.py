@@ -1,5 +1,6 @@
 """A decode step's attention on a CPU with AVX-512 BF16: ``decodebench_attn::one_query`` (``csrc/one_query.cpp``,
-built with ``engines.cpu_kernels``), which the ring calls where its decode step would call aten's flash attention.
+built with ``engines.cpu_kernels``), which the ring and the Rust engine call where a decode step would call aten's
+flash attention (the Rust shim finds it by name in ATen's dispatcher).
 
 ``engine.decode_attention`` (``DecodeAttention``): ``auto`` takes it where it runs (a CPU, bf16, head dims of
 multiples of 32) and aten's ``scaled_dot_product_attention`` elsewhere; ``sdpa`` always aten's; ``one_query`` always
@@ -9,9 +10,11 @@ it, the cell skipped, with the reason, where it cannot run. A prompt's pieces ar
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 import torch
 
+from engines.base import EngineLimit
 from engines.cpu_kernels import built
 
 OP = "decodebench_attn.one_query"  # the operator's name as it is dispatched (and as the evidence names it)
@@ -37,6 +40,26 @@ def unsupported(device_kind: str, dtype: torch.dtype, head_dims: set[int] | None
     if not built():
         return "it was not built here, or this CPU lacks AVX-512 BF16"
     return None
+
+
+def refused(requested: DecodeAttention, device_kind: str, dtype: torch.dtype) -> str | None:
+    """Why ``engine.decode_attention`` as asked cannot run here (the cell is skipped), or None: before the model is
+    read, so its head dims are checked by ``choose``."""
+    if requested == DecodeAttention.one_query and (reason := unsupported(device_kind, dtype)):
+        return f"engine.decode_attention=one_query cannot run here: {reason}"
+    return None
+
+
+def choose(requested: DecodeAttention, device_kind: str, dtype: torch.dtype, config: Any) -> str:
+    """The operator a decode step's attention calls (``OP`` or ``SDPA``) for ``engine.decode_attention`` and the
+    model's text ``config``; ``one_query`` asked where the model's head dims rule it out raises ``EngineLimit``."""
+    if requested == DecodeAttention.sdpa:
+        return SDPA
+    head_dims = {config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)}
+    reason = unsupported(device_kind, dtype, head_dims)
+    if reason and requested == DecodeAttention.one_query:
+        raise EngineLimit(f"engine.decode_attention=one_query cannot run here: {reason}")
+    return SDPA if reason else OP
 
 
 def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float

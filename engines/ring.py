@@ -48,7 +48,7 @@ from decodebench.device import Device
 from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, sliding_slots
 from engines import attention_cpu
 from engines.attention_cpu import DecodeAttention
-from engines.base import EngineLimit, Generation
+from engines.base import Generation
 from engines.joined import join, joined_mlp
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 from engines.steps import batch_call
@@ -286,11 +286,9 @@ class RingEngine(SteppingEngine):
         if run_cfg.engine.attend == Attend.exact and device.kind == "tpu":
             return ("engine.attend=exact needs a program whose slot count changes from call to call (dynamic "
                     "shapes); a TPU compiles fixed shapes: engine.attend=filled has a program per bucket")  # fmt: skip
-        if run_cfg.engine.decode_attention == DecodeAttention.one_query and (
-            reason := attention_cpu.unsupported(device.kind, run_cfg.dtype.torch)
-        ):
-            return f"engine.decode_attention=one_query cannot run here: {reason}"
-        return super().unsupported_reason(device, run_cfg)
+        return attention_cpu.refused(run_cfg.engine.decode_attention, device.kind, run_cfg.dtype.torch) or (
+            super().unsupported_reason(device, run_cfg)
+        )
 
     def dynamic_shapes(self) -> bool:
         return self.ctx.engine_cfg.attend == Attend.exact
@@ -318,7 +316,8 @@ class RingEngine(SteppingEngine):
         self.article_layout = self.attend == Attend.cache and self.ctx.engine_cfg.last_piece == LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
-        self.decode_attention = self.choose_decode_attention()
+        self.decode_attention = attention_cpu.choose(self.ctx.engine_cfg.decode_attention, self.ctx.device.kind,
+                                                     self.ctx.dtype, self.model.config)  # fmt: skip
         one_query = self.decode_attention == attention_cpu.OP
         for layer in self.model.model.layers:
             attn = layer.self_attn
@@ -328,19 +327,6 @@ class RingEngine(SteppingEngine):
         device = self.ctx.device.torch_device
         self.piece_offsets = torch.arange(piece, device=device)
         self.compiled_piece = self.compile(self.read_piece)
-
-    def choose_decode_attention(self) -> str:
-        """The operator a decode step's attention calls (``engine.decode_attention``); ``one_query`` asked where the
-        model's head dims rule it out is this engine's limit (the cell is skipped)."""
-        requested = self.ctx.engine_cfg.decode_attention
-        if requested == DecodeAttention.sdpa:
-            return attention_cpu.SDPA
-        config = self.model.config
-        head_dims = {config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)}
-        reason = attention_cpu.unsupported(self.ctx.device.kind, self.ctx.dtype, head_dims)
-        if reason and requested == DecodeAttention.one_query:
-            raise EngineLimit(f"engine.decode_attention=one_query cannot run here: {reason}")
-        return attention_cpu.SDPA if reason else attention_cpu.OP
 
     def reset(self) -> None:
         self.ring.reset()

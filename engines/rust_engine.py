@@ -19,7 +19,8 @@ from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
-from engines import int4, int4_cpu, one_row
+from engines import attention_cpu, int4, int4_cpu, one_row
+from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
 from engines.one_row import OneRow, PackedEmbedding, PackedLinear
@@ -38,14 +39,16 @@ class RustEngineConfig(EngineConfig):
     ``decodebench_bf16::bf16_rows`` for every row count, its weight packed at load by the Python side). ``weights``:
     ``dense``, or ``int4``: the ``-emb4`` twin's linears kept 4-bit and multiplied by the project's
     ``decodebench_int4::int4_rows``, its vocabulary tables read row by row from their packed words (a CPU with
-    AVX-512 BF16, bf16; skipped, named, elsewhere). Both kernels are the operators the PyTorch engines call, found by
-    name in ATen's dispatcher."""
+    AVX-512 BF16, bf16; skipped, named, elsewhere). ``decode_attention``: a decode step's attention
+    (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere). Every such
+    kernel is the operator the PyTorch engines call, found by name in ATen's dispatcher."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
     last_piece: LastPiece = LastPiece.padded
     one_row: OneRow = OneRow.auto
     weights: Weights = Weights.dense
+    decode_attention: DecodeAttention = DecodeAttention.auto
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
@@ -113,6 +116,7 @@ class RustEngine(Engine):
             or fuse_unsupported(run_cfg.engine.mode, "rust", device.kind)
             or int4_unsupported(device, run_cfg)
             or one_row.rows_refused(run_cfg.engine.one_row, device.kind, run_cfg.dtype.torch)
+            or attention_cpu.refused(run_cfg.engine.decode_attention, device.kind, run_cfg.dtype.torch)
             or super().unsupported_reason(device, run_cfg)
         )
 
@@ -133,6 +137,9 @@ class RustEngine(Engine):
         self.one_row = self.one_row_choice.one_row
         self.row_linears = one_row.pack_dense_linears(model) if self.one_row == OneRow.rows else 0
         config["one_row_mv"] = self.one_row == OneRow.mv
+        self.decode_attention = attention_cpu.choose(self.ctx.engine_cfg.decode_attention, self.ctx.device.kind,
+                                                     dtype, model.config)  # fmt: skip
+        config["one_query"] = self.decode_attention == attention_cpu.OP
         modules = dict(model.named_modules(remove_duplicate=False))
         tables = {path: packed_table(m) for path, m in modules.items() if isinstance(m, PACKED_TABLES)}
         linears = {path: packed_linear(m) for path, m in modules.items()
@@ -204,7 +211,7 @@ class RustEngine(Engine):
         fused = self.ctx.engine_cfg.mode == EagerMode.fuse
         described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
-                     "last_piece": str(self.ctx.engine_cfg.last_piece),
+                     "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears}  # fmt: skip

@@ -75,8 +75,13 @@ def test_one_query_is_refused_by_name_where_it_cannot_run(cell_cfg, tiny):
 
 @pytest.mark.usefixtures("_runs_here")
 @pytest.mark.parametrize("attention", ["one_query", "sdpa"])
-def test_the_ring_at_bf16_writes_the_reference_tokens_with_either_attention(cell_cfg, tiny, attention):
-    record = run_cell(cell_cfg("engine=ring", "engine.backend=eager", "experiment=parity-bf16", "context=256",
+@pytest.mark.parametrize("engine", ["ring", "rust"])
+def test_a_decode_step_at_bf16_writes_the_reference_tokens_with_either_attention(cell_cfg, tiny, engine, attention):
+    """The ring and the Rust engine (whose shim finds the operator by name in ATen's dispatcher)."""
+    if engine == "rust":
+        pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
+    compiled = ("engine.backend=eager",) if engine == "ring" else ()
+    record = run_cell(cell_cfg(f"engine={engine}", *compiled, "experiment=parity-bf16", "context=256",
                                f"engine.decode_attention={attention}"))  # fmt: skip
     assert record["status"] == "ok", record["reason"]
     assert record["outputs"]["verdict"] == "pass"

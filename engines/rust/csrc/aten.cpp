@@ -47,6 +47,7 @@ at::IntArrayRef dims(const int64_t* d, int64_t n) { return at::IntArrayRef(d, st
 // once at load on the Python side (engines/int4_cpu.py, engines/bf16_cpu.py: `pack`).
 using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
+using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> kernel(const char* name) {
@@ -194,6 +195,14 @@ int64_t db_nbytes(T t) { return static_cast<int64_t>(t->nbytes()); }
 int64_t db_size(T t, int64_t dim) { return t->size(dim); }
 
 // Attention: softmax(q k^T * scale + mask) v, query heads grouped over the key/value heads.
+// A decode step's attention: decodebench_attn::one_query (engines/csrc/one_query.cpp).
+T db_one_query(T q, T k, T v, T keep, double scale) {
+  return guarded([&] {
+    static const auto op = kernel<OneQuery>("decodebench_attn::one_query");
+    return op.call(*q, *k, *v, *keep, scale);
+  });
+}
+
 T db_sdpa(T q, T k, T v, T mask, double scale) {
   return guarded([&] {
     return at::scaled_dot_product_attention(*q, *k, *v, *mask, 0.0, false, scale, /*enable_gqa=*/true);

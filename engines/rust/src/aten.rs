@@ -58,6 +58,7 @@ extern "C" {
     fn db_nbytes(t: Raw) -> i64;
     fn db_size(t: Raw, dim: i64) -> i64;
     fn db_sdpa(q: Raw, k: Raw, v: Raw, mask: Raw, scale: f64) -> Raw;
+    fn db_one_query(q: Raw, k: Raw, v: Raw, keep: Raw, scale: f64) -> Raw;
 }
 
 /// An error raised by ATen, with its message.
@@ -185,5 +186,9 @@ impl Tensor {
     pub fn size(&self, dim: i64) -> i64 { unsafe { db_size(self.0, dim) } }
     pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
         wrap(unsafe { db_sdpa(q.0, k.0, v.0, mask.0, scale) })
+    }
+    /// q [B, KV, rows, D], k and v [B, KV, slots, D], keep [B, rows, slots]: decodebench_attn::one_query.
+    pub fn one_query(q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
+        wrap(unsafe { db_one_query(q.0, k.0, v.0, keep.0, scale) })
     }
 }

@@ -62,6 +62,7 @@ fn config(d: &PyDict) -> PyResult<Config> {
         rope_scaling_sliding: get(d, "rope_scaling_sliding")?,
         rope_scaling_full: get(d, "rope_scaling_full")?,
         one_row_mv: get(d, "one_row_mv")?,
+        one_query: get(d, "one_query")?,
     })
 }
 

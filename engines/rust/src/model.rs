@@ -38,6 +38,8 @@ pub struct Config {
     pub rope_scaling_full: f64,
     /// A single row (a decode step) through ATen's matrix-vector kernel (engine.one_row=mv).
     pub one_row_mv: bool,
+    /// A decode step's attention by the project's decodebench_attn::one_query (engine.decode_attention).
+    pub one_query: bool,
 }
 
 struct Layer {
@@ -275,7 +277,12 @@ impl Model {
             let groups = heads / spec.kv_heads;
             let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups, spec.head_dim])?;
             let mask = step.masks[kind].repeat(&[1, 1, groups, 1])?;
-            Tensor::sdpa(&folded, k, v, &mask, 1.0)?.reshape(&[1, heads, 1, spec.head_dim])?
+            let out = if self.cfg.one_query {
+                Tensor::one_query(&folded, k, v, &mask.reshape(&[1, groups, -1])?, 1.0)?
+            } else {
+                Tensor::sdpa(&folded, k, v, &mask, 1.0)?
+            };
+            out.reshape(&[1, heads, 1, spec.head_dim])?
         } else {
             Tensor::sdpa(&q.transpose(1, 2)?, k, v, &step.masks[kind], 1.0)?
         };
