@@ -42,11 +42,16 @@ def unsupported(device_kind: str, dtype: torch.dtype, head_dims: set[int] | None
     return None
 
 
+def refusal(reason: str) -> str:
+    """What a cell that asked for ``one_query`` where it cannot run is skipped with."""
+    return f"engine.decode_attention=one_query cannot run here: {reason}"
+
+
 def refused(requested: DecodeAttention, device_kind: str, dtype: torch.dtype) -> str | None:
     """Why ``engine.decode_attention`` as asked cannot run here (the cell is skipped), or None: before the model is
     read, so its head dims are checked by ``choose``."""
     if requested == DecodeAttention.one_query and (reason := unsupported(device_kind, dtype)):
-        return f"engine.decode_attention=one_query cannot run here: {reason}"
+        return refusal(reason)
     return None
 
 
@@ -58,7 +63,7 @@ def choose(requested: DecodeAttention, device_kind: str, dtype: torch.dtype, con
     head_dims = {config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)}
     reason = unsupported(device_kind, dtype, head_dims)
     if reason and requested == DecodeAttention.one_query:
-        raise EngineLimit(f"engine.decode_attention=one_query cannot run here: {reason}")
+        raise EngineLimit(refusal(reason))
     return SDPA if reason else OP
 
 
