@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp", CSRC / "one_query.cpp")
@@ -81,10 +82,26 @@ def threads() -> int | None:
     return int(torch.ops.decodebench_int4.threads()) if built() else None
 
 
+def prefetch_hint() -> str | None:
+    """The cache level the kernels' prefetches ask for on this CPU (``nta`` on AMD, ``t0`` elsewhere: ``csrc/rows.h``
+    has the figures behind the choice), or None where they do not run here."""
+    return str(torch.ops.decodebench_int4.prefetch_hint()) if built() else None
+
+
+NAMESPACES = ("decodebench_int4.", "decodebench_bf16.")  # the library's products, as a module's ``kernel`` names them
+
+
+def facts(model: nn.Module) -> dict[str, int | str | None]:
+    """For a way's evidence: the threads the kernels share a product among and their prefetch hint, where some
+    product of ``model`` runs on them (``int4_rows``, ``bf16_rows``); None for both where none does."""
+    used = any(str(getattr(m, "kernel", "")).startswith(NAMESPACES) for m in model.modules())
+    return {"cpu_kernel_threads": threads() if used else None, "cpu_kernel_prefetch": prefetch_hint() if used else None}
+
+
 def main() -> None:
     """``make setup``: builds them once."""
     if built():
-        runs = f"built, and this CPU runs them on {threads()} threads"
+        runs = f"built, and this CPU runs them on {threads()} threads, prefetching {prefetch_hint()}"
     else:
         runs = "not run here (see the warning above, or no AVX-512 BF16)"
     print(f"setup: the project's CPU kernels into {BUILD}: {runs}")

@@ -19,7 +19,7 @@ from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
-from engines import attention_cpu, int4, int4_cpu, one_row
+from engines import attention_cpu, cpu_kernels, int4, int4_cpu, one_row
 from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -214,7 +214,8 @@ class RustEngine(Engine):
                      "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
-                     "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears}  # fmt: skip
+                     "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
+                     **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:
             described.update(int4_kernel=int4.kernels_of(self.model),
                              int4_linears=sum(isinstance(m, Int4Linear) for m in self.model.modules()))  # fmt: skip

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import bf16_cpu, cpu_kernels, int4, int4_cpu, one_row
+from engines import cpu_kernels, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.steps import SteppedEngine
@@ -241,10 +241,6 @@ class SteppingEngine(SteppedEngine):
     def compiled_programs(self) -> int | None:
         return None if self.backend == "none" else graph_counts()["graphs"]
 
-    def uses_cpu_kernels(self) -> bool:
-        """Whether some product of this model runs on the project's CPU kernels (``bf16_rows``, ``int4_rows``)."""
-        return any(getattr(m, "kernel", None) in (bf16_cpu.OP, int4_cpu.OP) for m in self.model.modules())
-
     def describe(self) -> dict[str, Any]:
         weights: dict[str, Any] = {"weights": str(self.ctx.engine_cfg.weights),
                                    "kept_4bit": [p.rpartition(".")[2] for p in self.packed_tables]
@@ -262,7 +258,7 @@ class SteppingEngine(SteppedEngine):
             "one_row_linears": self.row_linears,
             "joined_linears": self.joined_linears,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
-            "cpu_kernel_threads": cpu_kernels.threads() if self.uses_cpu_kernels() else None,
+            **cpu_kernels.facts(self.model),
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines import bf16_cpu, one_row
+from engines import bf16_cpu, cpu_kernels, one_row
 from engines.one_row import OneRow, PackedEmbedding, PackedLinear, RowLinear, choose, swap_dense_linears
 from runner import run_cell
 
@@ -142,11 +142,13 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
     assert mv["joined_linears"] == (layers - shared + layers if engine == "ring" else 0)
     for setting, record in records.items():
         assert record["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"], setting
-    assert mv["cpu_kernel_threads"] is None and linear["cpu_kernel_threads"] is None  # no product on the kernels
+    for record in (mv, linear):  # no product on the kernels
+        assert record["cpu_kernel_threads"] is None and record["cpu_kernel_prefetch"] is None
     if "rows" in records:
         rows = records["rows"]["engine"]
         assert (rows["one_row"], rows["one_row_linears"]) == ("rows", mv["one_row_linears"])
         assert rows["cpu_kernel_threads"] == torch.get_num_threads()  # the thread count this process runs with
+        assert rows["cpu_kernel_prefetch"] == cpu_kernels.prefetch_hint()
 
 
 @pytest.mark.parametrize(

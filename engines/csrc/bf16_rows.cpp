@@ -22,7 +22,7 @@ constexpr int64_t kRows = 8;  // rows of x computed per pass over two tiles
 
 // `Rows` rows of x (each `in` apart) times `Tiles` adjacent tiles (each `tile_words` apart): 16 outputs a tile of
 // each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last tile may be partial).
-template <int Rows, int Tiles>
+template <int Rows, int Tiles, Hint H>
 DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::BFloat16* x, int64_t in, c10::BFloat16* y,
                          int64_t ldy, int64_t valid) {
   constexpr int Parts = kParts<Rows, Tiles>;
@@ -37,7 +37,7 @@ DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::
       __m512i pairs[Tiles];
       for (int t = 0; t < Tiles; ++t) {
         const c10::BFloat16* at = w + t * tile_words + j * kPairWords;
-        prefetch(at + ahead);
+        prefetch<H>(at + ahead);
         pairs[t] = _mm512_loadu_si512(at);
       }
 #pragma GCC unroll 8
@@ -71,8 +71,8 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t n = rows.size(0), tile_words = in * kTile;
-  each_pass<kRows>(tiles, n, out_features, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
-    tile_rows<R, T>(wp + u * tile_words, tile_words, xp + r * in, in, yp + r * out_features + u * kTile, out_features,
+  each_pass<kRows>(tiles, n, out_features, [&]<int R, int T, Hint H>(int64_t u, int64_t r, int64_t valid) {
+    tile_rows<R, T, H>(wp + u * tile_words, tile_words, xp + r * in, in, yp + r * out_features + u * kTile, out_features,
                     valid);
   });
   return y;

@@ -51,7 +51,7 @@ constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles (eig
 // `Rows` rows of x (each `in` apart) times `Tiles` adjacent tiles (each `tile_words` and `tile_scales` apart): 16
 // outputs a tile of each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last
 // tile may be partial).
-template <int Rows, int Tiles, typename Scale>
+template <int Rows, int Tiles, Hint H, typename Scale>
 DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale* scales, int64_t tile_scales,
                          const c10::BFloat16* x, int64_t in, int64_t group, c10::BFloat16* y, int64_t ldy,
                          int64_t valid) {
@@ -71,7 +71,7 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
     for (int64_t c = 0; c < chunks; ++c, words += kWords) {
       __m512i packed[Tiles];
       for (int t = 0; t < Tiles; ++t) {
-        prefetch(words + t * tile_words + ahead);
+        prefetch<H>(words + t * tile_words + ahead);
         packed[t] = _mm512_loadu_si512(words + t * tile_words);
       }
       const int64_t k = k0 + c * kChunk;
@@ -108,8 +108,8 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
   const auto* sp = scales.data_ptr<Scale>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t tile_words = in / kChunk * kWords, tile_scales = in / group * kTile;
-  each_pass<kRows>(tiles, rows, out, [&]<int R, int T>(int64_t u, int64_t r, int64_t valid) {
-    tile_rows<R, T>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, group,
+  each_pass<kRows>(tiles, rows, out, [&]<int R, int T, Hint H>(int64_t u, int64_t r, int64_t valid) {
+    tile_rows<R, T, H>(wp + u * tile_words, tile_words, sp + u * tile_scales, tile_scales, xp + r * in, in, group,
                     yp + r * out + u * kTile, out, valid);
   });
 }
@@ -146,6 +146,7 @@ TORCH_LIBRARY(decodebench_int4, m) {
   m.def("int4_rows(Tensor x, Tensor words, Tensor scales, int group, int out_features) -> Tensor");
   m.def("supported() -> bool", &supported);
   m.def("threads() -> int", &threads_used);
+  m.def("prefetch_hint() -> str", [] { return std::string(prefetch_hint_name()); });
 }
 
 TORCH_LIBRARY_IMPL(decodebench_int4, CPU, m) { m.impl("int4_rows", &int4_rows); }

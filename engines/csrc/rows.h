@@ -18,17 +18,34 @@
 namespace decodebench {
 
 constexpr int64_t kTile = 16;  // outputs in a tile: one float32 lane each
-// Bytes ahead of the ones being read that each 64 bytes ask the cache for (16 KiB), with the non-temporal hint: the
-// weights are read once a step and should not push anything else out of the caches. Timed on one core (the library
+// Bytes ahead of the ones being read that each 64 bytes ask the cache for (16 KiB). Timed on one core (the library
 // was then built without OpenMP, see engines/cpu_kernels.py): the hardware prefetcher alone
 // left a one-row int4 product over lm_head (226 MB) at 31-34 GB/s on a 2-core AMD EPYC whose streaming read is
-// ~50 GB/s; 1, 4, 8, 16 and 32 KiB ahead (_MM_HINT_T0) gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there. One bf16
-// row over 30 cold copies of a layer's MLP weights read 32-39 GB/s with _MM_HINT_T0 and 40-44 with _MM_HINT_NTA
-// (lm_head 37-40 either way); the int4 product's layer shapes 10-15% faster, prompt pieces of 16 and 64 rows alike.
+// ~50 GB/s; 1, 4, 8, 16 and 32 KiB ahead (_MM_HINT_T0) gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there.
 constexpr int64_t kPrefetchBytes = 16384;
 
-// Asks the cache for the 64 bytes at p, to be read once.
-inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
+// The cache level a prefetch asks for, chosen per CPU vendor at run time (`prefetch_hint`). On the 2-core AMD EPYC
+// (Zen 5) one bf16 row over 30 cold copies of a layer's MLP weights read 32-39 GB/s with T0 and 40-44 with NTA (the
+// non-temporal hint: the weights are read once a step and should push nothing else out of the caches; lm_head 37-40
+// either way), the int4 product's layer shapes 10-15% faster. On a 2-core Xeon with AMX (streaming read 24-27 GB/s)
+// NTA starved both kernels: one row over lm_head (cold, two threads) read 11.0 GB/s (bf16) and 8.7 (int4) with NTA
+// 16 KiB ahead, 22.9 and 12.4 with no software prefetch, 27.3 and 24.7 with T0 (T1 and T2 within 10% of T0; T0 8 and
+// 16 KiB ahead the best, 32 KiB 10-15% slower). NTA only where it was measured better: AMD.
+enum class Hint { kNta, kT0 };
+
+inline Hint prefetch_hint() {
+  static const Hint hint = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? Hint::kNta : Hint::kT0;
+  }();
+  return hint;
+}
+
+// Asks the cache for the 64 bytes at p, with the hint H.
+template <Hint H>
+inline void prefetch(const void* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), H == Hint::kNta ? _MM_HINT_NTA : _MM_HINT_T0);
+}
 
 #define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -96,25 +113,36 @@ inline void with_rows(int64_t rows, Fn&& fn) {
   }
 }
 
-// fn.template operator()<R, T>(u, r, valid) for every pass of a product with `out` outputs in `tiles` tiles over
-// `rows` rows: R rows (at most MaxRows) from row r times T tiles from tile u, `valid` outputs of its last tile. The
-// threads share the tiles kTilesAtOnce at a time, each taking every row over them.
+// fn.template operator()<R, T, H>(u, r, valid) for every pass of a product with `out` outputs in `tiles` tiles over
+// `rows` rows: R rows (at most MaxRows) from row r times T tiles from tile u, `valid` outputs of its last tile,
+// prefetching with this CPU's hint H. The threads share the tiles kTilesAtOnce at a time, each taking every row over
+// them.
 template <int64_t MaxRows, typename Fn>
 inline void each_pass(int64_t tiles, int64_t rows, int64_t out, Fn&& fn) {
   const int64_t blocks = (tiles + kTilesAtOnce - 1) / kTilesAtOnce;
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t t = b * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
-      for (int64_t r = 0; r < rows; r += MaxRows) {
-        with_rows(std::min(MaxRows, rows - r), [&]<int R>() {
-          over_tiles<R>(t, end, [&]<int T>(int64_t u) {
-            fn.template operator()<R, T>(u, r, std::min(kTile, out - (u + T - 1) * kTile));
+  auto passes = [&]<Hint H>() {
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t t = b * kTilesAtOnce, end = std::min(tiles, t + kTilesAtOnce);
+        for (int64_t r = 0; r < rows; r += MaxRows) {
+          with_rows(std::min(MaxRows, rows - r), [&]<int R>() {
+            over_tiles<R>(t, end, [&]<int T>(int64_t u) {
+              fn.template operator()<R, T, H>(u, r, std::min(kTile, out - (u + T - 1) * kTile));
+            });
           });
-        });
+        }
       }
-    }
-  });
+    });
+  };
+  if (prefetch_hint() == Hint::kNta) {
+    passes.template operator()<Hint::kNta>();
+  } else {
+    passes.template operator()<Hint::kT0>();
+  }
 }
+
+// The hint's name, for the evidence: "nta" or "t0".
+inline const char* prefetch_hint_name() { return prefetch_hint() == Hint::kNta ? "nta" : "t0"; }
 
 // The threads each_pass's parallel_for runs on when it has 64 blocks to share: the library's check that it was built
 // with OpenMP (without it, ATen's inline parallel_for runs every block on the calling thread, and the kernels read
