@@ -6,8 +6,8 @@ binary of it is published), once per source and machine, with its converter besi
 ``.cache/llamacpp/<source digest>-<machine digest>/`` holds ``src/`` (the unpacked source: ``convert_hf_to_gguf.py``
 and the ``gguf-py`` it must run with), ``build/bin/llama-server``, ``build/bin/llama-quantize`` and ``build.json``
 (the source, its digest, the CMake flags, the compiler and the seconds the build took). The machine digest covers
-the CPU's flags and the compiler, since the build is native (``GGML_NATIVE``): a folder built on another CPU is
-never reused. A build takes about four minutes on two cores.
+the CPU's flags, the compiler and the CMake flags, since the build is native (``GGML_NATIVE``): a folder built on
+another CPU is never reused. A build takes about four minutes on two cores.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "locks" / "llamacpp.txt"
 ROOT = REPO / ".cache" / "llamacpp"
 TARGETS = ("llama-server", "llama-quantize")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+# Native, without llama.cpp's AMX kernels: built natively on a 2-core Xeon with AMX (a VM), the server crashed in
+# ggml_backend_amx_mul_mat on its first q4_0 product, before it listened (gdb's backtrace; upstream
+# ggml-org/llama.cpp#20824, open), so no q4_0 cell could run there. Without them its q4_0 and q8_0 weights take the
+# AVX-512 paths they take on a CPU without AMX (its bf16 weights never took AMX's). GCC's explicit -mno-* hold
+# against -march=native, whichever comes first; they change nothing on a CPU without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}",
+               f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")  # fmt: skip
 
 
@@ -45,10 +52,11 @@ def pinned() -> tuple[str, str]:
 
 
 def machine_digest() -> str:
-    """What a native build depends on besides its source: the CPU's flags and the compiler's version."""
+    """What a native build depends on besides its source: the CPU's flags, the compiler's version and the CMake
+    flags (a folder built with other flags is never reused)."""
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    return hashlib.sha256(json.dumps([sorted(flags.split()), compiler]).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps([sorted(flags.split()), compiler, CMAKE_FLAGS]).encode()).hexdigest()[:12]
 
 
 def build_dir() -> Path:
