@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch
 
 from decodebench.config import ConfigError
 from decodebench.process_group import alive, members
+from engines.llamacpp_build import CMAKE_FLAGS
 from engines.vllm_engine import VllmEngine, cores_spec
 from experiments.load import FRESH_PROMPTS as FRESH_RULE
 from runner import run_cell
@@ -171,3 +173,15 @@ def test_vllms_cpu_settings_are_refused_on_an_accelerator():
         on_cuda(threads=1)
     argv, env = on_cuda()
     assert not any(k.startswith("VLLM_CPU") for k in env) and argv[argv.index("--dtype") + 1] == "bfloat16"
+
+
+@pytest.mark.parametrize(("flag", "language"), [("-DCMAKE_C_FLAGS", "c"), ("-DCMAKE_CXX_FLAGS", "c++")])
+def test_llamacpp_is_built_without_its_amx_kernels_on_a_cpu_with_amx(flag, language):
+    """llama.cpp's AMX kernels (compiled where ``__AMX_INT8__`` is defined) crashed its server on a Xeon with AMX
+    (``engines/llamacpp_build.py``): the build's flags must keep them out against a ``-march`` that has AMX, whatever
+    CPU runs this test."""
+    flags = dict(f.split("=", 1) for f in CMAKE_FLAGS if f.startswith("-DCMAKE_") and "FLAGS=" in f)[flag].split()
+    defined = subprocess.run(["c++", "-x", language, *flags, "-march=sapphirerapids", "-dM", "-E", "-"], input="",
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "__AVX512VNNI__" in defined  # the -march took effect
+    assert not re.findall(r"__AMX_\w+__", defined)
