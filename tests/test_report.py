@@ -818,15 +818,16 @@ def peer_record(
     sweep: str = "s",
 ) -> dict:
     """A peer's decode cell: ``cell_record`` with the ``engine`` block a peer describes itself with
-    (``engines.peer``; a llama.cpp q4_* file keeps its linears 4-bit)."""
+    (``engines.peer``; a llama.cpp q4_* file keeps its linears 4-bit, and vLLM serves the W4A16 twin's)."""
     record = cell_record(engine, values, settings={"quant": quant} if quant else None, sweep=sweep)
     weights = {"twin": "ct-text", "path": "/twins/m-ct-text"}
     if quant:
         weights |= {"quant": quant, "gguf_bytes": 1_500_000_000, "conversion_s": None}
+    four_bit = engine == "vllm" or str(quant).startswith("q4")
     record["engine"] = {"peer": PEER_NAMES[engine], "startup_s": startup_s, "weights": weights,
                         "memory": {"peak_rss_bytes_sum": rss, "processes": []},
                         "version": {"path": "/version", "answer": "1.0"},
-                        **({"kept_4bit": ["linears"]} if quant and quant.startswith("q4") else {})}  # fmt: skip
+                        **({"kept_4bit": ["linears"]} if four_bit else {})}  # fmt: skip
     return record
 
 
@@ -839,6 +840,7 @@ def by_hand(top: tuple[float, float], bottom: tuple[float, float]) -> tuple[floa
 
 def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_precision(tmp_path):
     q4, q8, vllm, dense, int4 = (40.0, 44.0), (45.0, 47.0), (35.0, 36.0), (30.0, 32.0), (60.0, 64.0)
+    bf16 = (25.0, 26.0)
     int4_cell = cell_record("ring", int4, settings={"weights": "int4"})
     int4_cell["measurements"]["memory_peak_rss"] = {"value": 1_250_000_000, "unit": "B", "counter": "VmHWM"}
     other_model = cell_record("ring", (70.0, 71.0), sweep="t")  # a faster VALID way of another model: no peer there
@@ -849,6 +851,7 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         cell_record("ring", experiment="parity", settings={"weights": "int4"}),
         cell_record("llamacpp", experiment="parity", settings={"quant": "q4_0"}),
         cell_record("llamacpp", experiment="parity", settings={"quant": "q8_0"}, verdict="fail"),
+        cell_record("llamacpp", experiment="parity", settings={"quant": "bf16"}),
         cell_record("ring", dense),
         int4_cell,
         cell_record("compiled", (20.0, 21.0)),  # dense, slower than ring: not shown
@@ -856,12 +859,14 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         peer_record("llamacpp", q4, quant="q4_0", startup_s=12.5, rss=2_000_000_000),
         peer_record("llamacpp", q8, quant="q8_0"),  # faster than q4_0, but INVALID: not the fastest peer
         peer_record("vllm", vllm, startup_s=38.0),
+        peer_record("llamacpp", bf16, quant="bf16"),
         other_model,
     )
     ev, _, decode = judged(tmp_path)
     (table,) = peer_tables(decode, ev.records)
     assert table.title == "m on cpu (cpu), synthetic weights: context 256, N=8, P=10, env env-a, sweep s"
-    assert list(table.rows.way) == ["ring·int4", "llama.cpp q8_0", "llama.cpp q4_0", "vLLM", "ring·dense"]
+    assert list(table.rows.way) == ["ring·int4", "llama.cpp q8_0", "llama.cpp q4_0", "vLLM", "ring·dense",
+                                    "llama.cpp bf16"]
     rows = table.rows.set_index("way")
     assert table.fastest_peer == "llama.cpp q4_0" and rows.loc["llama.cpp q4_0"].x_shown == "–"
     assert rows.loc["llama.cpp q4_0"].x_fastest_peer is None
@@ -870,14 +875,19 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         assert (ratio.value, ratio.low, ratio.high) == pytest.approx(by_hand(samples, q4)), way
         assert rows.loc[way].decode.value == statistics.median(samples)
     assert rows.loc["ring·int4"].x_shown == "1.48x [1.36, 1.60] n=2/2"  # 62/42, 60/44, 64/40
-    # at its own precision: the int4 way over llama.cpp q4_0, the dense one over vLLM (q8_0 is int8: a class alone)
-    assert list(rows.precision) == ["int4", "int8", "int4", "dense", "dense"]
+    # at its own precision: the int4 way over llama.cpp q4_0 (the faster of the int4 peers, vLLM serving the W4A16
+    # twin the other), the dense one over llama.cpp bf16 (q8_0 is int8: a class alone)
+    assert list(rows.precision) == ["int4", "int8", "int4", "int4", "dense", "dense"]
     assert rows.loc["ring·int4"].x_same_shown == "1.48x [1.36, 1.60] n=2/2 over llama.cpp q4_0"
     same = rows.loc["ring·dense"].x_same_precision.interval
-    assert (same.value, same.low, same.high) == pytest.approx(by_hand(dense, vllm))
-    assert rows.loc["ring·dense"].same_precision_peer == "vLLM"
-    assert [rows.loc[w].x_same_shown for w in ("llama.cpp q8_0", "llama.cpp q4_0", "vLLM")] == ["–"] * 3
-    assert list(rows.verdict) == ["VALID", "INVALID: its parity check failed", "VALID", "VALID", "VALID"]
+    assert (same.value, same.low, same.high) == pytest.approx(by_hand(dense, bf16))
+    assert rows.loc["ring·dense"].same_precision_peer == "llama.cpp bf16"
+    assert [rows.loc[w].x_same_shown for w in ("llama.cpp q8_0", "llama.cpp bf16")] == ["–"] * 2  # alone in their class
+    for peer, other, samples in (("llama.cpp q4_0", "vLLM", (q4, vllm)), ("vLLM", "llama.cpp q4_0", (vllm, q4))):
+        assert rows.loc[peer].same_precision_peer == other  # the two int4 peers, each beside the other
+        same = rows.loc[peer].x_same_precision.interval
+        assert (same.value, same.low, same.high) == pytest.approx(by_hand(*samples))
+    assert list(rows.verdict) == ["VALID", "INVALID: its parity check failed", "VALID", "VALID", "VALID", "VALID"]
     assert (rows.loc["llama.cpp q4_0"].startup_s, rows.loc["vLLM"].startup_s, rows.loc["ring·int4"].startup_s) == (
         12.5, 38.0, 1.0)  # fmt: skip
     assert rows.loc["llama.cpp q4_0"].memory_peak_bytes == 2_000_000_000
@@ -887,13 +897,13 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     assert table.verdict == (
         "The fastest VALID in-process way (ring·int4) decodes 1.48x [1.36, 1.60] n=2/2 the rate of the fastest "
         "peer (llama.cpp q4_0): ahead of it. At its own precision: ring·int4 decodes 1.48x [1.36, 1.60] n=2/2 the rate "
-        "of llama.cpp q4_0; ring·dense decodes 0.87x [0.83, 0.91] n=2/2 the rate of vLLM."  # 31/35.5, 30/36, 32/35
-    )
+        "of llama.cpp q4_0; ring·dense decodes 1.22x [1.15, 1.28] n=2/2 the rate of llama.cpp bf16."
+    )  # 31/25.5, 30/26, 32/25
     (dense_only,) = peer_tables(decode[decode.engine_config != "weights=int4"], ev.records)
     assert dense_only.verdict == (  # 31/42, 30/44, 32/40
         "The fastest VALID in-process way (ring·dense) decodes 0.74x [0.68, 0.80] n=2/2 the rate of the fastest "
-        "peer (llama.cpp q4_0): behind it. At its own precision: ring·dense decodes 0.87x [0.83, 0.91] n=2/2 the rate "
-        "of vLLM."
+        "peer (llama.cpp q4_0): behind it. At its own precision: ring·dense decodes 1.22x [1.15, 1.28] n=2/2 the rate "
+        "of llama.cpp bf16."
     )
     assert peer_tables(decode[decode.model == "other"], ev.records) == []
 
@@ -907,8 +917,9 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
         "1.60] n=2/2 over llama.cpp q4_0 | 1.0 | 1.25 |"
     )
     q4_line = (
-        "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | – | 12.5 | 2.00 | VALID | GGUF q4_0,"
-    )
+        "| llama.cpp q4_0 | quant=q4_0 | bfloat16 | 42.00 [40.00, 44.00] n=2 | – | 1.18x [1.11, 1.26] n=2/2 over vLLM "
+        "| 12.5 | 2.00 | VALID | GGUF q4_0,"
+    )  # 42/35.5, 40/36, 44/35
     assert f"{int4_line} VALID |" in peers and f"{q4_line} 1.50 GB |" in peers
 
 
