@@ -14,9 +14,11 @@ refused with the reason and the way out (a process per cell: ``hydra/launcher=is
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -227,13 +229,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def blocking(program: Callable[[Any], Any], x: Any) -> None:
+    """A jitted JAX ``program`` run on ``x`` to its end."""
+    program(x).block_until_ready()
+
+
+# The reductions a torch device's streaming read is taken with, each over the same bytes viewed as its dtype: the
+# read is the best any of them reaches. On the 2-core Intel Xeon (AMX) a float32 sum read 5-10 % below an int64 sum
+# or a uint8 max of the same 256 MiB in the same minute (20.5 against 21.7 and 22.7 GB/s, best of 10 each, passes
+# interleaved), and the project's bf16 weight kernel read above the float32 sum: a decode step's own read cleared
+# a roofline divided by that sum (100.6 %), so the float32 sum alone understated what a read reaches there.
+READ_REDUCTIONS = {"sum float32": (torch.float32, torch.sum), "sum int64": (torch.int64, torch.sum),
+                   "amax uint8": (torch.uint8, torch.amax)}  # fmt: skip
+
+
 def measure_bandwidth(
     device: Device, nbytes: int = 256 * 2**20, repeats: int = 5, copy: bool = True
 ) -> dict[str, object]:
-    """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (a sum over ``nbytes``, every thread:
-    what a decode step does to its weights), the figure a roofline divides by (``value``), and beside it (unless
-    ``copy`` is false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates
-    what a read reaches.
+    """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (every thread over ``nbytes``: what a
+    decode step does to its weights), the figure a roofline divides by (``value``), and beside it (unless ``copy`` is
+    false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
+    reaches. A torch device reads with each of ``READ_REDUCTIONS`` in turn, every repeat: a repeat's read is the best
+    of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more than its bytes on one
+    CPU and not on another, and every one of them reads every byte, so none reads faster than memory gives.
 
     Timer boundaries: ``device.sync()`` before and after each pass. A JAX accelerator reads with a jitted sum and
     copies with a jitted ``x + 1`` over its own memory, never through the host.
@@ -245,40 +263,42 @@ def measure_bandwidth(
         src = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device.jax_device)
         total = jax.jit(jnp.sum)
         total(src).block_until_ready()
-        passes = {"read": lambda: total(src).block_until_ready()}
+        reads = {"sum float32": functools.partial(blocking, total, src)}
         how = {"read": f"jax jit sum over {nbytes} B float32", "copy": f"jax jit x + 1 over {nbytes} B float32"}
+        copy_pass = None
         if copy:
             add = jax.jit(lambda x: x + 1)
             add(src).block_until_ready()
-            passes["copy"] = lambda: add(src).block_until_ready()
+            copy_pass = functools.partial(blocking, add, src)
     else:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
-        passes = {"read": src.sum}
-        how = {"read": f"torch sum over {nbytes} B float32", "copy": f"torch copy_ of {nbytes} B float32"}
-        if copy:
-            dst = torch.empty_like(src)
-            passes["copy"] = lambda: dst.copy_(src)
-    moved = {"read": nbytes, "copy": 2 * nbytes}
-    samples: dict[str, list[float]] = {kind: [] for kind in passes}
+        reads = {name: functools.partial(reduce, src.view(dtype)) for name, (dtype, reduce) in READ_REDUCTIONS.items()}
+        how = {"read": f"the best of torch {', '.join(READ_REDUCTIONS)} over {nbytes} B",
+               "copy": f"torch copy_ of {nbytes} B float32"}  # fmt: skip
+        copy_pass = functools.partial(torch.empty_like(src).copy_, src) if copy else None
+
+    def rate(run: Callable[[], object], moved: int) -> float:
+        device.sync()
+        start = time.perf_counter()
+        run()
+        device.sync()
+        return moved / (time.perf_counter() - start) / 1e9
+
+    by_reduction: dict[str, list[float]] = {name: [] for name in reads}
+    read_samples, copy_samples = [], []
     for _ in range(repeats):
-        for kind, run in passes.items():
-            device.sync()
-            start = time.perf_counter()
-            run()
-            device.sync()
-            samples[kind].append(moved[kind] / (time.perf_counter() - start) / 1e9)
-    read = {"value": max(samples["read"]), "unit": "GB/s", "samples": samples["read"],
+        for name, run in reads.items():
+            by_reduction[name].append(rate(run, nbytes))
+        read_samples.append(max(samples[-1] for samples in by_reduction.values()))
+        if copy_pass is not None:
+            copy_samples.append(rate(copy_pass, 2 * nbytes))
+    read = {"value": max(read_samples), "unit": "GB/s", "samples": read_samples, "reductions": by_reduction,
             "method": f"{how['read']}, bytes read / seconds, best of {repeats}"}  # fmt: skip
-    if not copy:
+    if copy_pass is None:
         return read
-    return {
-        **read,
-        "copy": {
-            "value": max(samples["copy"]),
-            "method": f"{how['copy']}, read+write bytes / seconds, best of {repeats}",
-            "samples": samples["copy"],
-        },
-    }
+    copied = {"value": max(copy_samples), "method": f"{how['copy']}, read+write bytes / seconds, best of {repeats}",
+              "samples": copy_samples}  # fmt: skip
+    return {**read, "copy": copied}
 
 
 MATMUL_SHAPE = (512, 1536, 6144)  # rows, inputs, outputs: a prompt piece of 512 tokens through E2B's MLP gate

@@ -80,7 +80,12 @@ def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_pa
 
     device = resolve_device("cpu")
     first = hardware.bandwidth(device, tmp_path, "s1")
-    assert first["method"].startswith("torch sum over") and "bytes read / seconds" in first["method"]
+    assert first["method"].startswith("the best of torch sum float32, sum int64, amax uint8 over")
+    assert "bytes read / seconds" in first["method"]
+    reductions = first["reductions"]
+    assert sorted(reductions) == ["amax uint8", "sum float32", "sum int64"]
+    assert [len(samples) for samples in reductions.values()] == [hardware.BANDWIDTH_COPIES] * 3
+    assert first["samples"] == [max(each) for each in zip(*reductions.values(), strict=True)], "each repeat's best"
     copy = first["copy"]
     assert copy["method"].startswith("torch copy_") and copy["value"] == max(copy["samples"])
     assert len(copy["samples"]) == len(first["samples"]) == hardware.BANDWIDTH_COPIES
