@@ -3,7 +3,8 @@
 Exact means: each output within the bf16 rounding of the float64 attention plus what float32 sums of its products may
 lose. Shapes: E2B's (8 query rows over one K/V head of 256 and 512 dims) at slot counts that make one part and
 several, a batch of two with two K/V heads, keys and values read through a view of a longer cache (a bucket of the
-full layers), rows that see a few slots, and a row that sees none (zeros).
+full layers), rows that see a few slots, and a row that sees none (zeros); more rows than the eight a pass takes, slots
+no row sees, and a V narrower than K.
 """
 
 from __future__ import annotations
@@ -30,25 +31,29 @@ def reference(q, keys, values, keep, scale) -> torch.Tensor:
 
 @pytest.mark.usefixtures("_runs_here")
 @pytest.mark.parametrize(
-    ("batch", "heads", "rows", "slots", "dim"),
-    [(1, 1, 8, 256, 256), (1, 1, 8, 768, 256), (1, 1, 8, 300, 512), (2, 2, 8, 37, 64), (1, 1, 3, 1000, 32)],
+    ("batch", "heads", "rows", "slots", "dim", "dim_v"),
+    [(1, 1, 8, 256, 256, 256), (1, 1, 8, 768, 256, 256), (1, 1, 8, 300, 512, 512), (2, 2, 8, 37, 64, 64),
+     (1, 1, 3, 1000, 32, 32), (1, 2, 12, 200, 96, 96), (1, 1, 5, 130, 64, 48)],
 )
-def test_one_query_is_the_float64_attention_rounded_once(batch, heads, rows, slots, dim):
+def test_one_query_is_the_float64_attention_rounded_once(batch, heads, rows, slots, dim, dim_v):
     generator = torch.Generator().manual_seed(slots)
     q = torch.randn(batch, heads, rows, dim, generator=generator).to(torch.bfloat16)
-    cache_k, cache_v = (torch.randn(batch, heads, slots + 7, dim, generator=generator).to(torch.bfloat16)
-                        for _ in range(2))  # fmt: skip
+    cache_k, cache_v = (torch.randn(batch, heads, slots + 7, width, generator=generator).to(torch.bfloat16)
+                        for width in (dim, dim_v))  # fmt: skip
     keys, values = cache_k[:, :, :slots], cache_v[:, :, :slots]  # a view: rows 7 slots longer apart per head
     keep = torch.rand(batch, rows, slots, generator=generator) < 0.6
     keep[:, 0] = False
     keep[:, 0, slots // 2] = True  # a row that sees one slot: that slot's V
     scale = dim**-0.5
-    got = attention_cpu.one_query(q, keys, values, keep, scale).double()
     want = reference(q, keys, values, keep, scale)
-    assert got.shape == want.shape
     bound = want.abs() * 2.0**-8 + values.double().abs().amax() * slots * 2.0**-24
+    seen_one = values[:, :, slots // 2].double()
+    unseen = ~keep.any(1)[:, None, :, None].expand(-1, heads, -1, -1)  # slots no row may see: a ring's unwritten ones
+    keys.masked_fill_(unseen, float("nan")), values.masked_fill_(unseen, float("nan"))  # never read
+    got = attention_cpu.one_query(q, keys, values, keep, scale).double()
+    assert got.shape == want.shape
     assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
-    assert torch.equal(got[:, :, 0], values[:, :, slots // 2].double())
+    assert torch.equal(got[:, :, 0], seen_one)
 
 
 @pytest.mark.usefixtures("_runs_here")

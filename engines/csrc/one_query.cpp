@@ -3,18 +3,24 @@
 // A decode step has one query position, so each K/V head meets the few query heads that read it (folded into rows:
 // engines/ring.py, grouped_attention) and the slots of its cache. aten's CPU flash attention does this in 52-97 us
 // a layer on E2B's shapes at 256-768 slots, and makes about sixteen tensor operators (transposes, allocations) per
-// call, each a trip through the dispatcher. Here a row takes two passes over the slots it may see: a score per slot
-// (q . k: bf16 products exact in float32, vdpbf16ps, summed in float32, times the scale) and the largest, then
-// exp(score - largest) times the slot's V summed in float32. The threads share each head's slots in parts (each K and
-// V row read from memory once, for all the head's query rows), joined by their largest scores as flash-decoding does,
-// divided once by the sum of the weights and rounded to bf16 once. A row that may see no slot gets zeros (a decode
-// step always sees its own). On a 2-core AMD EPYC (Zen 5), 8 query rows: 19-44 us at 256-768 slots of 256 (aten's
-// flash attention 36-88), 20 ms at 131,584 slots of 512 (43 ms): each K and V byte read once, at 14 GB/s.
+// call, each a trip through the dispatcher. Here the rows take two passes over the slots, eight rows at a time: a
+// score per slot (q . k: bf16 products exact in float32, vdpbf16ps, summed in float32, times the scale; each K row
+// loaded once for the eight rows) and each row's largest, then exp(score - largest) times the slot's V summed in
+// float32 (each V row widened once for the eight rows, the sums held in registers). The threads share each head's
+// slots in parts (each K and V row read from memory once, for all the head's query rows), joined by their largest
+// scores as flash-decoding does, divided once by the sum of the weights and rounded to bf16 once. A row that may
+// see no slot gets zeros (a decode step always sees its own).
+// On the 2-core Intel Xeon (AMX), 8 query rows, two threads: 30 us at 256 slots of 256, 67-71 at 768, 49-50 at 300
+// of 512, 36-37 ms at 131,584 of 512; one row at a time (every K and V row loaded, and V widened, once per row) it
+// took 55-60, 146-155, 98-102 us and 41-50 ms, giving the same bits. On a 2-core AMD EPYC (Zen 5) one row at a time
+// took 19-44 us at 256-768 slots of 256 (aten's flash attention 36-88), 20 ms at 131,584 slots of 512 (43 ms).
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "rows.h"
@@ -26,25 +32,6 @@ using namespace decodebench;
 constexpr int64_t kDotWidth = 32;  // bf16 inputs a vdpbf16ps reads from each side
 constexpr int64_t kAddWidth = 16;  // float32 outputs a vector holds
 
-// a . b over `dim` bf16 inputs (a multiple of kDotWidth).
-DB_TARGET inline float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t dim) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += kDotWidth) {
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-// acc[0:dim] += weight * v[0:dim], v widened from bf16 (exactly) to float32; dim a multiple of kAddWidth.
-DB_TARGET inline void add_weighted(float* acc, float weight, const c10::BFloat16* v, int64_t dim) {
-  const __m512 w = _mm512_set1_ps(weight);
-  for (int64_t d = 0; d < dim; d += kAddWidth) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d));
-    const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, wide, _mm512_loadu_ps(acc + d)));
-  }
-}
-
 // What one part of the slots gives each query row: the largest score it saw, the sum of exp(score - largest) and
 // those weights times V (float32, dim_v a row).
 struct Partial {
@@ -53,29 +40,99 @@ struct Partial {
       : largest(rows, -std::numeric_limits<float>::infinity()), total(rows, 0.0f), acc(rows * dim_v, 0.0f) {}
 };
 
-// The `rows` query rows of one K/V head over slots [first, last): each K and V row is read from memory once and
-// serves every query row from the core's cache.
-DB_TARGET void attend_part(const c10::BFloat16* q, int64_t q_step, const c10::BFloat16* k, int64_t k_step,
-                           const c10::BFloat16* v, int64_t v_step, const bool* keep, int64_t slots, int64_t rows,
-                           int64_t first, int64_t last, int64_t dim_k, int64_t dim_v, float scale, Partial& part) {
-  std::vector<float> scores(rows * (last - first));
-  for (int64_t s = first; s < last; ++s) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (keep[r * slots + s]) {
-        const float score = scale * dot(q + r * q_step, k + s * k_step, dim_k);
-        scores[r * (last - first) + s - first] = score;
-        part.largest[r] = std::max(part.largest[r], score);
+// scores[r * n + i] = scale * (q row r . k slot first + i) for R query rows, each sum in float32 (vdpbf16ps); slots
+// no row may see (seen[i] false) are skipped. Each K row is loaded once for the R rows, whose R sums are
+// independent, so R vdpbf16ps are in flight instead of one dependent chain per (row, slot).
+template <int R>
+DB_TARGET void scores_of(const c10::BFloat16* q, int64_t q_step, const c10::BFloat16* k, int64_t k_step,
+                         const bool* seen, int64_t first, int64_t n, int64_t dim_k, float scale, float* scores) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!seen[i]) continue;
+    const c10::BFloat16* key = k + (first + i) * k_step;
+    __m512 sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim_k; d += kDotWidth) {
+      const __m512bh kd = (__m512bh)_mm512_loadu_si512(key + d);
+      for (int r = 0; r < R; ++r) {
+        sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_loadu_si512(q + r * q_step + d), kd);
+      }
+    }
+    for (int r = 0; r < R; ++r) scores[r * n + i] = scale * _mm512_reduce_add_ps(sum[r]);
+  }
+}
+
+// 16 bf16 values widened (exactly) to float32.
+DB_TARGET inline __m512 widen(const c10::BFloat16* v) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+constexpr int64_t kSlotBlock = 64;  // V rows add_weighted takes at a time: 64 KiB at 512 dims, kept in L2 across columns
+
+// acc[r * dim_v + d] += weights[r * n + i] * (V slot first + i)[d] for R rows, slot after slot (the order of each
+// float32 sum), over C x 16 columns at a time held in registers: each V row is widened once for the R rows. The slots
+// go kSlotBlock at a time, every column of a block before the next block: a long cache is read from memory once.
+template <int R, int C>
+DB_TARGET void add_weighted(const float* weights, const c10::BFloat16* v, int64_t v_step, const bool* seen,
+                            int64_t first, int64_t n, int64_t dim_v, float* acc) {
+  for (int64_t block = 0; block < n; block += kSlotBlock) {
+    const int64_t end = std::min(n, block + kSlotBlock);
+    for (int64_t d = 0; d < dim_v; d += C * kAddWidth) {
+      __m512 sum[R][C];
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * dim_v + d + c * kAddWidth);
+      }
+      for (int64_t i = block; i < end; ++i) {
+        if (!seen[i]) continue;
+        __m512 wide[C];
+        for (int c = 0; c < C; ++c) wide[c] = widen(v + (first + i) * v_step + d + c * kAddWidth);
+        for (int r = 0; r < R; ++r) {
+          const __m512 w = _mm512_set1_ps(weights[r * n + i]);
+          for (int c = 0; c < C; ++c) sum[r][c] = _mm512_fmadd_ps(w, wide[c], sum[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * dim_v + d + c * kAddWidth, sum[r][c]);
       }
     }
   }
-  for (int64_t s = first; s < last; ++s) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (keep[r * slots + s]) {
-        const float weight = std::exp(scores[r * (last - first) + s - first] - part.largest[r]);
-        part.total[r] += weight;
-        add_weighted(part.acc.data() + r * dim_v, weight, v + s * v_step, dim_v);
+}
+
+// The `rows` query rows of one K/V head over slots [first, last), eight rows at a time: each K and V row is read from
+// memory once and serves every query row from the core's cache. A row's weight for a slot it may not see is 0 (the
+// slot is seen by another row, so its V is finite: the sums keep their value); a slot no row sees is never read.
+DB_TARGET void attend_part(const c10::BFloat16* q, int64_t q_step, const c10::BFloat16* k, int64_t k_step,
+                           const c10::BFloat16* v, int64_t v_step, const bool* keep, int64_t slots, int64_t rows,
+                           int64_t first, int64_t last, int64_t dim_k, int64_t dim_v, float scale, Partial& part) {
+  const int64_t n = last - first;
+  std::unique_ptr<bool[]> seen(new bool[n]());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) seen[i] = seen[i] || keep[r * slots + first + i];
+  }
+  std::vector<float> scores(std::min<int64_t>(rows, 8) * n);
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    with_rows(std::min<int64_t>(8, rows - r0), [&]<int R>() {
+      scores_of<R>(q + r0 * q_step, q_step, k, k_step, seen.get(), first, n, dim_k, scale, scores.data());
+      for (int r = 0; r < R; ++r) {  // each row's largest score it may see, then its weights
+        const bool* visible = keep + (r0 + r) * slots + first;
+        float* row = scores.data() + r * n;
+        float& largest = part.largest[r0 + r];
+        for (int64_t i = 0; i < n; ++i) {
+          if (visible[i]) largest = std::max(largest, row[i]);
+        }
+        float& total = part.total[r0 + r];
+        for (int64_t i = 0; i < n; ++i) {
+          row[i] = visible[i] ? std::exp(row[i] - largest) : 0.0f;
+          total += row[i];
+        }
       }
-    }
+      float* acc = part.acc.data() + r0 * dim_v;
+      if (dim_v % (2 * kAddWidth) == 0) {
+        add_weighted<R, 2>(scores.data(), v, v_step, seen.get(), first, n, dim_v, acc);
+      } else {
+        add_weighted<R, 1>(scores.data(), v, v_step, seen.get(), first, n, dim_v, acc);
+      }
+    });
   }
 }
 
