@@ -32,8 +32,15 @@ def reference(q, keys, values, keep, scale) -> torch.Tensor:
 @pytest.mark.usefixtures("_runs_here")
 @pytest.mark.parametrize(
     ("batch", "heads", "rows", "slots", "dim", "dim_v"),
-    [(1, 1, 8, 256, 256, 256), (1, 1, 8, 768, 256, 256), (1, 1, 8, 300, 512, 512), (2, 2, 8, 37, 64, 64),
-     (1, 1, 3, 1000, 32, 32), (1, 2, 12, 200, 96, 96), (1, 1, 5, 130, 64, 48)],
+    [
+        (1, 1, 8, 256, 256, 256),
+        (1, 1, 8, 768, 256, 256),
+        (1, 1, 8, 300, 512, 512),
+        (2, 2, 8, 37, 64, 64),
+        (1, 1, 3, 1000, 32, 32),
+        (1, 2, 12, 200, 96, 96),
+        (1, 1, 5, 130, 64, 48),
+    ],
 )
 def test_one_query_is_the_float64_attention_rounded_once(batch, heads, rows, slots, dim, dim_v):
     generator = torch.Generator().manual_seed(slots)
