@@ -19,7 +19,7 @@ from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
-from engines import attention_cpu, cpu_kernels, int4, int4_cpu, one_row
+from engines import attention_cpu, cpu_kernels, int4, int4_cpu, norm_cpu, one_row
 from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -140,6 +140,8 @@ class RustEngine(Engine):
         self.decode_attention = attention_cpu.choose(self.ctx.engine_cfg.decode_attention, self.ctx.device.kind,
                                                      dtype, model.config)  # fmt: skip
         config["one_query"] = self.decode_attention == attention_cpu.OP
+        self.norm = norm_cpu.EAGER if norm_cpu.unsupported(self.ctx.device.kind, dtype) else norm_cpu.OP
+        config["rms_norm"] = self.norm == norm_cpu.OP
         modules = dict(model.named_modules(remove_duplicate=False))
         tables = {path: packed_table(m) for path, m in modules.items() if isinstance(m, PACKED_TABLES)}
         linears = {path: packed_linear(m) for path, m in modules.items()
@@ -212,6 +214,7 @@ class RustEngine(Engine):
         described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
                      "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
+                     "norm": self.norm,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,

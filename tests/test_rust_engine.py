@@ -16,7 +16,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench.checkpoint import open_checkpoint
 from decodebench.config import ConfigError
 from decodebench.device import Device
-from engines import bf16_cpu, int4
+from engines import bf16_cpu, int4, norm_cpu
 from engines.rust_engine import RustEngine, int4_unsupported
 from runner import run_cell, typed_config
 from tests.conftest import opened
@@ -182,6 +182,15 @@ def test_shim_int4_lookup_is_the_int4_embedding(group):
     assert torch.equal(got, lookup(ids)) and torch.equal(got, dense[ids].to(torch.bfloat16))
 
 
+def test_shim_norm_is_the_python_engines_operator():
+    """The shim's norm is ``decodebench_norm::rms`` itself (found in ATen's dispatcher), with a weight and without."""
+    if reason := norm_cpu.unsupported("cpu", torch.bfloat16):
+        pytest.skip(f"{norm_cpu.OP}: {reason}")
+    x, weight = torch.randn(2, 3, 40).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
+    assert torch.equal(decodebench_rs.shim_op("rms_norm", [x, weight], [1e-6]), norm_cpu.rms(x, weight, 1e-6))
+    assert torch.equal(decodebench_rs.shim_op("rms_norm", [x], [1e-6]), norm_cpu.rms(x, None, 1e-6))
+
+
 def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny):
     """``engine.weights=int4``: the ``-emb4`` twin, every linear (lm_head included) multiplied by ``int4_rows`` from
     Rust, the tables looked up 4-bit; the tokens are Transformers' at bf16."""
@@ -191,6 +200,7 @@ def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, 
     engine = record["engine"]
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
     assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
+    assert engine["norm"] == (norm_cpu.EAGER if norm_cpu.unsupported("cpu", torch.bfloat16) else norm_cpu.OP)
     assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
     out = record["outputs"]["prompt"]
     assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"

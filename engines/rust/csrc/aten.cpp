@@ -48,6 +48,7 @@ at::IntArrayRef dims(const int64_t* d, int64_t n) { return at::IntArrayRef(d, st
 using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
 using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
 using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double);
+using RmsNorm = Tensor(const Tensor&, const std::optional<Tensor>&, double);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> kernel(const char* name) {
@@ -200,6 +201,14 @@ T db_one_query(T q, T k, T v, T keep, double scale) {
   return guarded([&] {
     static const auto op = kernel<OneQuery>("decodebench_attn::one_query");
     return op.call(*q, *k, *v, *keep, scale);
+  });
+}
+
+// Gemma's RMS norm of bf16 rows (weight null: none) in one operator: decodebench_norm::rms (engines/csrc/rms_norm.cpp).
+T db_rms(T x, T weight, double eps) {
+  return guarded([&] {
+    static const auto op = kernel<RmsNorm>("decodebench_norm::rms");
+    return op.call(*x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps);
   });
 }
 

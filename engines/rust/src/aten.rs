@@ -59,6 +59,7 @@ extern "C" {
     fn db_size(t: Raw, dim: i64) -> i64;
     fn db_sdpa(q: Raw, k: Raw, v: Raw, mask: Raw, scale: f64) -> Raw;
     fn db_one_query(q: Raw, k: Raw, v: Raw, keep: Raw, scale: f64) -> Raw;
+    fn db_rms(x: Raw, weight: Raw, eps: f64) -> Raw;
 }
 
 /// An error raised by ATen, with its message.
@@ -190,5 +191,10 @@ impl Tensor {
     /// q [B, KV, rows, D], k and v [B, KV, slots, D], keep [B, rows, slots]: decodebench_attn::one_query.
     pub fn one_query(q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
         wrap(unsafe { db_one_query(q.0, k.0, v.0, keep.0, scale) })
+    }
+    /// x [..., n] bf16 over the root of its mean square plus eps, times `weight` [n] where given, in float32,
+    /// rounded once: decodebench_norm::rms.
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        wrap(unsafe { db_rms(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps) })
     }
 }

@@ -63,6 +63,7 @@ fn config(d: &PyDict) -> PyResult<Config> {
         rope_scaling_full: get(d, "rope_scaling_full")?,
         one_row_mv: get(d, "one_row_mv")?,
         one_query: get(d, "one_query")?,
+        rms_norm: get(d, "rms_norm")?,
     })
 }
 
@@ -269,6 +270,7 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
         "remainder" => t[0].remainder(s(0)? as i64),
         "where" => t[0].where_(&t[1], &t[2]),
         "sdpa" => Tensor::sdpa(&t[0], &t[1], &t[2], &t[3], s(0)?),
+        "rms_norm" => t[0].rms_norm(t.get(1), s(0)?),
         _ => return Err(PyValueError::new_err(format!("no shim operation {name}"))),
     };
     to_python(py, &out.map_err(|e| PyRuntimeError::new_err(e.0))?)

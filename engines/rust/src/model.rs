@@ -40,6 +40,8 @@ pub struct Config {
     pub one_row_mv: bool,
     /// A decode step's attention by the project's decodebench_attn::one_query (engine.decode_attention).
     pub one_query: bool,
+    /// Each norm by the project's decodebench_norm::rms, one operator in place of nine (engines/norm_cpu.py).
+    pub rms_norm: bool,
 }
 
 struct Layer {
@@ -207,6 +209,9 @@ impl Model {
     }
 
     fn rms(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        if self.cfg.rms_norm {
+            return x.rms_norm(weight, self.cfg.eps);
+        }
         let xf = x.to_float()?;
         let normed = xf.mul(&xf.pow_scalar(2.0)?.mean_last()?.add_scalar(self.cfg.eps)?.pow_scalar(-0.5)?)?;
         let out = match weight {

@@ -1,0 +1,31 @@
+"""Gemma's RMS norm of bf16 rows in one operator on a CPU with AVX-512 BF16: ``decodebench_norm::rms``
+(``csrc/rms_norm.cpp``, built with ``engines.cpu_kernels``), which the Rust engine calls in place of the nine eager
+ATen operators of its norm wherever it runs (the Rust shim finds it by name in ATen's dispatcher); elsewhere the eager
+operators. The compiled engines need none: TorchInductor fuses their norms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.cpu_kernels import built
+
+OP = "decodebench_norm.rms"  # the operator's name as it is dispatched (and as the evidence names it)
+EAGER = "aten (eager operators)"
+
+
+def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
+    """Why ``rms`` cannot run here (the eager operators do), or None."""
+    if device_kind != "cpu":
+        return f"it is a CPU kernel, this run's device is {device_kind}"
+    if dtype != torch.bfloat16:
+        return f"it normalizes bf16 rows, this run's dtype is {dtype}"
+    if not built():
+        return "it was not built here, or this CPU lacks AVX-512 BF16"
+    return None
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., n] bf16 -> x / sqrt(mean(x^2) + eps) (times ``weight`` [n] where given), each row, in float32, rounded
+    once to bf16."""
+    return torch.ops.decodebench_norm.rms(x, weight, eps)
