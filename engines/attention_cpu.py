@@ -70,5 +70,5 @@ def choose(requested: DecodeAttention, device_kind: str, dtype: torch.dtype, con
 def one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
               ) -> torch.Tensor:  # fmt: skip
     """q [B, KV, rows, D] (each K/V head's query rows), keys and values [B, KV, slots, D], keep [B, rows, slots]
-    (True: the row may see the slot) -> [B, KV, rows, D], all bf16 but ``keep``."""
+    (True: the row may see the slot; the rows may be one row's, expanded) -> [B, KV, rows, D], all bf16 but ``keep``."""
     return torch.ops.decodebench_attn.one_query(q, keys, values, keep, scale)

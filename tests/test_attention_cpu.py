@@ -101,3 +101,17 @@ def test_a_decode_step_at_bf16_writes_the_reference_tokens_with_either_attention
     assert record["outputs"]["prompt"]["first_difference"] is None
     expected = attention_cpu.OP if attention == "one_query" else attention_cpu.SDPA
     assert record["engine"]["decode_attention"] == expected
+
+
+@pytest.mark.usefixtures("_runs_here")
+def test_one_query_takes_one_mask_row_broadcast_to_every_query_row():
+    """A decode step's mask is the same for every query row: ``keep`` expanded from one row (stride 0, no copy)
+    gives the bits of the same mask copied to every row."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 64, generator=generator).to(torch.bfloat16)
+    keys, values = (torch.randn(2, 1, 300, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    row = torch.rand(2, 1, 300, generator=generator) < 0.5
+    broadcast = row.expand(-1, 8, -1)
+    assert broadcast.stride(1) == 0
+    got = attention_cpu.one_query(q, keys, values, broadcast, 0.125)
+    assert torch.equal(got, attention_cpu.one_query(q, keys, values, broadcast.contiguous(), 0.125))

@@ -9,7 +9,8 @@
 // float32 (each V row widened once for the eight rows, the sums held in registers). The threads share each head's
 // slots in parts (each K and V row read from memory once, for all the head's query rows), joined by their largest
 // scores as flash-decoding does, divided once by the sum of the weights and rounded to bf16 once. A row that may
-// see no slot gets zeros (a decode step always sees its own).
+// see no slot gets zeros (a decode step always sees its own). The rows' flags (keep) may be one row's, broadcast:
+// a decode step's mask is the same for every query row.
 // On the 2-core Intel Xeon (AMX), 8 query rows, two threads: 30 us at 256 slots of 256, 67-71 at 768, 49-50 at 300
 // of 512, 36-37 ms at 131,584 of 512; one row at a time (every K and V row loaded, and V widened, once per row) it
 // took 55-60, 146-155, 98-102 us and 41-50 ms, giving the same bits. On a 2-core AMD EPYC (Zen 5) one row at a time
@@ -102,19 +103,19 @@ DB_TARGET void add_weighted(const float* weights, const c10::BFloat16* v, int64_
 // memory once and serves every query row from the core's cache. A row's weight for a slot it may not see is 0 (the
 // slot is seen by another row, so its V is finite: the sums keep their value); a slot no row sees is never read.
 DB_TARGET void attend_part(const c10::BFloat16* q, int64_t q_step, const c10::BFloat16* k, int64_t k_step,
-                           const c10::BFloat16* v, int64_t v_step, const bool* keep, int64_t slots, int64_t rows,
+                           const c10::BFloat16* v, int64_t v_step, const bool* keep, int64_t keep_step, int64_t rows,
                            int64_t first, int64_t last, int64_t dim_k, int64_t dim_v, float scale, Partial& part) {
   const int64_t n = last - first;
   std::unique_ptr<bool[]> seen(new bool[n]());
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < n; ++i) seen[i] = seen[i] || keep[r * slots + first + i];
+    for (int64_t i = 0; i < n; ++i) seen[i] = seen[i] || keep[r * keep_step + first + i];
   }
   std::vector<float> scores(std::min<int64_t>(rows, 8) * n);
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     with_rows(std::min<int64_t>(8, rows - r0), [&]<int R>() {
       scores_of<R>(q + r0 * q_step, q_step, k, k_step, seen.get(), first, n, dim_k, scale, scores.data());
       for (int r = 0; r < R; ++r) {  // each row's largest score it may see, then its weights
-        const bool* visible = keep + (r0 + r) * slots + first;
+        const bool* visible = keep + (r0 + r) * keep_step + first;
         float* row = scores.data() + r * n;
         float& largest = part.largest[r0 + r];
         for (int64_t i = 0; i < n; ++i) {
@@ -155,7 +156,9 @@ at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               " (q, k) and ", kAddWidth, " (v), got ", dim_k, " and ", dim_v);
   TORCH_CHECK(keep.scalar_type() == at::kBool && keep.sizes() == at::IntArrayRef({batch, rows, slots}),
               "keep: [", batch, ", ", rows, ", ", slots, "] bool, got ", keep.sizes());
-  const at::Tensor visible = keep.contiguous();
+  // Each row's flags contiguous; the rows may be one row's, broadcast (stride 0: a decode step's mask, the same for
+  // every query row, expanded without a copy).
+  const at::Tensor visible = keep.stride(2) == 1 ? keep : keep.contiguous();
   at::Tensor out = at::detail::empty_cpu({batch, heads, rows, dim_v}, q.options());
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = k.data_ptr<c10::BFloat16>();
@@ -171,8 +174,9 @@ at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (heads * parts), h = i / parts % heads, p = i % parts;
       attend_part(qp + b * q.stride(0) + h * q.stride(1), q.stride(2), kp + b * k.stride(0) + h * k.stride(1),
-                  k.stride(2), vp + b * v.stride(0) + h * v.stride(1), v.stride(2), keep_p + b * rows * slots, slots,
-                  rows, p * part_slots, std::min(slots, (p + 1) * part_slots), dim_k, dim_v, scale_f, partials[i]);
+                  k.stride(2), vp + b * v.stride(0) + h * v.stride(1), v.stride(2), keep_p + b * visible.stride(0),
+                  visible.stride(1), rows, p * part_slots, std::min(slots, (p + 1) * part_slots), dim_k, dim_v, scale_f,
+                  partials[i]);
     }
   });
   std::vector<float> acc(dim_v);

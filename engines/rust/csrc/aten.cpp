@@ -132,6 +132,7 @@ T db_to_float(T a) { return guarded([&] { return a->to(at::kFloat); }); }
 T db_to_like(T a, T like) { return guarded([&] { return a->to(like->scalar_type()); }); }
 T db_reshape(T a, const int64_t* d, int64_t n) { return guarded([&] { return a->reshape(dims(d, n)); }); }
 T db_repeat(T a, const int64_t* d, int64_t n) { return guarded([&] { return a->repeat(dims(d, n)); }); }
+T db_expand(T a, const int64_t* d, int64_t n) { return guarded([&] { return a->expand(dims(d, n)); }); }
 T db_transpose(T a, int64_t d0, int64_t d1) { return guarded([&] { return a->transpose(d0, d1); }); }
 T db_narrow(T a, int64_t dim, int64_t start, int64_t len) { return guarded([&] { return a->narrow(dim, start, len); }); }
 T db_select(T a, int64_t dim, int64_t index) { return guarded([&] { return a->select(dim, index); }); }

@@ -36,6 +36,7 @@ extern "C" {
     fn db_to_like(a: Raw, like: Raw) -> Raw;
     fn db_reshape(a: Raw, d: *const i64, n: i64) -> Raw;
     fn db_repeat(a: Raw, d: *const i64, n: i64) -> Raw;
+    fn db_expand(a: Raw, d: *const i64, n: i64) -> Raw;
     fn db_transpose(a: Raw, d0: i64, d1: i64) -> Raw;
     fn db_narrow(a: Raw, dim: i64, start: i64, len: i64) -> Raw;
     fn db_select(a: Raw, dim: i64, index: i64) -> Raw;
@@ -154,6 +155,8 @@ impl Tensor {
     pub fn to_like(&self, like: &Tensor) -> Result<Tensor> { wrap(unsafe { db_to_like(self.0, like.0) }) }
     pub fn reshape(&self, d: &[i64]) -> Result<Tensor> { wrap(unsafe { db_reshape(self.0, d.as_ptr(), d.len() as i64) }) }
     pub fn repeat(&self, d: &[i64]) -> Result<Tensor> { wrap(unsafe { db_repeat(self.0, d.as_ptr(), d.len() as i64) }) }
+    /// A view with dims of size 1 broadcast to `d` (-1 keeps a dim), no copy.
+    pub fn expand(&self, d: &[i64]) -> Result<Tensor> { wrap(unsafe { db_expand(self.0, d.as_ptr(), d.len() as i64) }) }
     pub fn transpose(&self, d0: i64, d1: i64) -> Result<Tensor> { wrap(unsafe { db_transpose(self.0, d0, d1) }) }
     pub fn narrow(&self, dim: i64, start: i64, len: i64) -> Result<Tensor> { wrap(unsafe { db_narrow(self.0, dim, start, len) }) }
     pub fn select(&self, dim: i64, index: i64) -> Result<Tensor> { wrap(unsafe { db_select(self.0, dim, index) }) }

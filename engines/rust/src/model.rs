@@ -281,11 +281,10 @@ impl Model {
             let heads = q.size(2);
             let groups = heads / spec.kv_heads;
             let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups, spec.head_dim])?;
-            let mask = step.masks[kind].repeat(&[1, 1, groups, 1])?;
-            let out = if self.cfg.one_query {
-                Tensor::one_query(&folded, k, v, &mask.reshape(&[1, groups, -1])?, 1.0)?
+            let out = if self.cfg.one_query {  // the step's one mask row, seen by every query row: broadcast, not copied
+                Tensor::one_query(&folded, k, v, &step.masks[kind].reshape(&[1, 1, -1])?.expand(&[1, groups, -1])?, 1.0)?
             } else {
-                Tensor::sdpa(&folded, k, v, &mask, 1.0)?
+                Tensor::sdpa(&folded, k, v, &step.masks[kind].repeat(&[1, 1, groups, 1])?, 1.0)?
             };
             out.reshape(&[1, heads, 1, spec.head_dim])?
         } else {
