@@ -239,7 +239,10 @@ def blocking(program: Callable[[Any], Any], x: Any) -> None:
 # or a uint8 max of the same 256 MiB in the same minute (20.5 against 21.7 and 22.7 GB/s, best of 10 each, passes
 # interleaved), and the project's bf16 weight kernel read above the float32 sum: a decode step's own read cleared
 # a roofline divided by that sum (100.6 %), so the float32 sum alone understated what a read reaches there.
-READ_REDUCTIONS = {"sum float32": (torch.float32, torch.sum), "sum int64": (torch.int64, torch.sum),
+# A CPU's figure; an accelerator's is its float32 sum alone (a dtype view of its memory is not assumed of every
+# backend, TorchTPU's included).
+FLOAT_SUM = "sum float32"
+READ_REDUCTIONS = {FLOAT_SUM: (torch.float32, torch.sum), "sum int64": (torch.int64, torch.sum),
                    "amax uint8": (torch.uint8, torch.amax)}  # fmt: skip
 
 
@@ -249,7 +252,7 @@ def measure_bandwidth(
     """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (every thread over ``nbytes``: what a
     decode step does to its weights), the figure a roofline divides by (``value``), and beside it (unless ``copy`` is
     false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
-    reaches. A torch device reads with each of ``READ_REDUCTIONS`` in turn, every repeat: a repeat's read is the best
+    reaches. A CPU reads with each of ``READ_REDUCTIONS`` in turn, every repeat: a repeat's read is the best
     of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more than its bytes on one
     CPU and not on another, and every one of them reads every byte, so none reads faster than memory gives.
 
@@ -263,7 +266,7 @@ def measure_bandwidth(
         src = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device.jax_device)
         total = jax.jit(jnp.sum)
         total(src).block_until_ready()
-        reads = {"sum float32": functools.partial(blocking, total, src)}
+        reads = {FLOAT_SUM: functools.partial(blocking, total, src)}
         how = {"read": f"jax jit sum over {nbytes} B float32", "copy": f"jax jit x + 1 over {nbytes} B float32"}
         copy_pass = None
         if copy:
@@ -272,8 +275,9 @@ def measure_bandwidth(
             copy_pass = functools.partial(blocking, add, src)
     else:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
-        reads = {name: functools.partial(reduce, src.view(dtype)) for name, (dtype, reduce) in READ_REDUCTIONS.items()}
-        how = {"read": f"the best of torch {', '.join(READ_REDUCTIONS)} over {nbytes} B",
+        reductions = READ_REDUCTIONS if device.kind == "cpu" else {FLOAT_SUM: READ_REDUCTIONS[FLOAT_SUM]}
+        reads = {name: functools.partial(reduce, src.view(dtype)) for name, (dtype, reduce) in reductions.items()}
+        how = {"read": f"the best of torch {', '.join(reductions)} over {nbytes} B",
                "copy": f"torch copy_ of {nbytes} B float32"}  # fmt: skip
         copy_pass = functools.partial(torch.empty_like(src).copy_, src) if copy else None
 

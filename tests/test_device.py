@@ -133,3 +133,16 @@ def test_a_bandwidth_file_from_another_host_or_device_is_never_reused(tmp_path, 
     assert again["host"] == socket.gethostname() and again["value"] != 1.0e6, "measured again, not reused"
     monkeypatch.setattr(hardware.socket, "gethostname", lambda: "second-host")
     assert hardware.bandwidth(device, tmp_path, "s1")["file"] != first["file"], "another host, another file"
+
+
+def test_an_accelerator_reads_with_its_float32_sum_alone(monkeypatch):
+    """The other reductions are a CPU's (a dtype view of an accelerator's memory is not assumed of every backend)."""
+    import torch
+
+    from decodebench.device import Device, measure_bandwidth
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)  # a CUDA device's timer boundary, on the host
+    read = measure_bandwidth(Device("cuda", torch.device("cpu"), "a GPU"), nbytes=2**20, repeats=2, copy=False)
+    assert list(read["reductions"]) == ["sum float32"]
+    assert read["method"].startswith("the best of torch sum float32 over")
+    assert read["samples"] == read["reductions"]["sum float32"]
