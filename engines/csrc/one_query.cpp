@@ -13,7 +13,9 @@
 // a decode step's mask is the same for every query row.
 // On the 2-core Intel Xeon (AMX), 8 query rows, two threads: 30 us at 256 slots of 256, 67-71 at 768, 49-50 at 300
 // of 512, 36-37 ms at 131,584 of 512; one row at a time (every K and V row loaded, and V widened, once per row) it
-// took 55-60, 146-155, 98-102 us and 41-50 ms, giving the same bits. On a 2-core AMD EPYC (Zen 5) one row at a time
+// took 55-60, 146-155, 98-102 us and 41-50 ms, giving the same bits (timed alone, K and V in the caches; in a
+// decode step, where each layer's K and V come from memory, the int4 ring's profile gave its attention 2.8 ms a
+// token before and 2.9 after). On a 2-core AMD EPYC (Zen 5) one row at a time
 // took 19-44 us at 256-768 slots of 256 (aten's flash attention 36-88), 20 ms at 131,584 slots of 512 (43 ms).
 
 #include <ATen/ATen.h>
