@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engines.base import EngineLimit
-from engines.cpu_kernels import built
+from engines.cpu_kernels import missing
 
 OP = "decodebench_attn.one_query"  # the operator's name as it is dispatched (and as the evidence names it)
 SDPA = "aten.scaled_dot_product_attention"
@@ -37,9 +37,7 @@ def unsupported(device_kind: str, dtype: torch.dtype, head_dims: set[int] | None
         return f"it computes bf16 attention, this run's dtype is {dtype}"
     if head_dims is not None and any(d % DOT_WIDTH for d in head_dims):
         return f"it takes head dims of multiples of {DOT_WIDTH}, this model's are {sorted(head_dims)}"
-    if not built():
-        return "it was not built here, or this CPU lacks AVX-512 BF16"
-    return None
+    return missing()
 
 
 def refusal(reason: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.cpu_kernels import built
+from engines.cpu_kernels import missing
 
 OP = "decodebench_bf16.bf16_rows"  # the operator's name as it is dispatched (and as the evidence names it)
 TILE = 16  # outputs per tile (csrc/rows.h)
@@ -30,9 +30,7 @@ def unsupported(dtype: torch.dtype, in_features: int | None = None) -> str | Non
         return f"it computes bf16 weights and activations, this run's are {dtype}"
     if in_features is not None and in_features % 8:
         return f"it takes a multiple of 8 inputs, this weight has {in_features}"
-    if not built():
-        return "it was not built here, or this CPU lacks AVX-512 BF16"
-    return None
+    return missing()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

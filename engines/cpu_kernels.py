@@ -77,6 +77,11 @@ def built() -> bool:
     return bool(torch.ops.decodebench_int4.supported())
 
 
+def missing() -> str | None:
+    """Why no kernel of the library runs here (each kernel's own ``unsupported`` adds its rules), or None."""
+    return None if built() else "it was not built here, or this CPU lacks AVX-512 BF16"
+
+
 def threads() -> int | None:
     """The threads the kernels share a product among (torch's intra-op threads when built with OpenMP), or None
     where they do not run here: recorded in a way's evidence beside the kernels it used."""

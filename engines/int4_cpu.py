@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.cpu_kernels import built
+from engines.cpu_kernels import missing
 
 OP = "decodebench_int4.int4_rows"  # the operator's name as it is dispatched (and as the evidence names it)
 TILE, CHUNK = 16, 8  # outputs per tile, inputs per 64-byte chunk (csrc/int4_rows.cpp)
@@ -34,9 +34,7 @@ def unsupported(dtype: torch.dtype, group: int | None) -> str | None:
         return f"it computes bf16 activations, this run's are {dtype}"
     if group is not None and group % CHUNK:
         return f"it takes groups of a multiple of {CHUNK} inputs, this checkpoint's are {group}"
-    if not built():
-        return "it was not built here, or this CPU lacks AVX-512 BF16"
-    return None
+    return missing()
 
 
 PACK_ROWS = 4096  # outputs packed at a time: what packing holds beside the result stays about 60 MB on E2B's shapes

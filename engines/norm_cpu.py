@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.cpu_kernels import built
+from engines.cpu_kernels import missing
 
 OP = "decodebench_norm.rms"  # the operator's name as it is dispatched (and as the evidence names it)
 EAGER = "aten (eager operators)"
@@ -20,9 +20,7 @@ def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
         return f"it is a CPU kernel, this run's device is {device_kind}"
     if dtype != torch.bfloat16:
         return f"it normalizes bf16 rows, this run's dtype is {dtype}"
-    if not built():
-        return "it was not built here, or this CPU lacks AVX-512 BF16"
-    return None
+    return missing()
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

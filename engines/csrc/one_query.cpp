@@ -64,12 +64,6 @@ DB_TARGET void scores_of(const c10::BFloat16* q, int64_t q_step, const c10::BFlo
   }
 }
 
-// 16 bf16 values widened (exactly) to float32.
-DB_TARGET inline __m512 widen(const c10::BFloat16* v) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
 constexpr int64_t kSlotBlock = 64;  // V rows add_weighted takes at a time: 64 KiB at 512 dims, kept in L2 across columns
 
 // acc[r * dim_v + d] += weights[r * n + i] * (V slot first + i)[d] for R rows, slot after slot (the order of each

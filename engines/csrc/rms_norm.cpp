@@ -22,30 +22,21 @@ namespace {
 
 using namespace decodebench;
 
-constexpr int64_t kLanes = 16;               // float32 values a vector holds
 constexpr int64_t kValuesPerThread = 65536;  // values a thread takes at the least (parallel_for's grain, in rows)
-
-// 16 bf16 values (the first `valid`, the rest 0) widened exactly to float32.
-DB_TARGET inline __m512 load_wide(const c10::BFloat16* p, int64_t valid) {
-  const __mmask16 lanes = valid >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  const __m256i half = _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 // y = bf16((x * r) * w) (w absent: bf16(x * r)) for one row of n values, r from the row's mean square.
 DB_TARGET void norm_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t n, float eps, c10::BFloat16* y) {
   __m512 squares = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += kLanes) {
-    const __m512 v = load_wide(x + d, n - d);
+  for (int64_t d = 0; d < n; d += kTile) {
+    const __m512 v = widen(x + d, n - d);
     squares = _mm512_fmadd_ps(v, v, squares);  // a bf16 value's square is exact in float32: the fma rounds once
   }
   const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(n);
   const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-  for (int64_t d = 0; d < n; d += kLanes) {
-    __m512 out = _mm512_mul_ps(load_wide(x + d, n - d), r);
-    if (w != nullptr) out = _mm512_mul_ps(out, load_wide(w + d, n - d));
-    const __mmask16 lanes = n - d >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - d)) - 1);
-    _mm256_mask_storeu_epi16(y + d, lanes, (__m256i)_mm512_cvtneps_pbh(out));
+  for (int64_t d = 0; d < n; d += kTile) {
+    __m512 out = _mm512_mul_ps(widen(x + d, n - d), r);
+    if (w != nullptr) out = _mm512_mul_ps(out, widen(w + d, n - d));
+    store_tile(y + d, out, n - d);
   }
 }
 

@@ -62,10 +62,20 @@ DB_TARGET inline __m512i pair_of(const c10::BFloat16* x) {
   return _mm512_set1_epi32(bits);
 }
 
+// The first `valid` of a vector's 16 lanes.
+inline __mmask16 first_lanes(int64_t valid) {
+  return valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+}
+
 // The first `valid` of a tile's 16 float32 sums rounded once to bf16 and written to y.
 DB_TARGET inline void store_tile(c10::BFloat16* y, __m512 sums, int64_t valid) {
-  const __mmask16 lanes = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  _mm256_mask_storeu_epi16(y, lanes, (__m256i)_mm512_cvtneps_pbh(sums));
+  _mm256_mask_storeu_epi16(y, first_lanes(valid), (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+// 16 bf16 values at x (the first `valid`, the rest 0) widened exactly to float32.
+DB_TARGET inline __m512 widen(const c10::BFloat16* x, int64_t valid = kTile) {
+  const __m256i half = _mm256_maskz_loadu_epi16(first_lanes(valid), x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
 // A product's [rows, out_features] output in x's dtype, allocated straight from the CPU allocator: at::empty is an
