@@ -15,6 +15,7 @@ the TPU's unpack) stay as they are.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -62,3 +63,16 @@ def joined_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``Gemma4TextMLP.forward`` with its gate and up products joined (``gate_up_proj``)."""
     gate, up = self.gate_up_proj(x).split(self.gate_up_proj_sizes, dim=-1)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+def join_layers(model: nn.Module) -> int:
+    """Joins, in a Transformers Gemma 4 ``model``, q, k and v of each layer that writes its own K/V (a KV-shared layer
+    has only q) and gate and up of every MLP (its forward then ``joined_mlp``); how many joined linears."""
+    joined = 0
+    for layer in model.model.layers:
+        if not layer.self_attn.is_kv_shared_layer:
+            joined += join(layer.self_attn, "qkv_proj")
+        if join(layer.mlp, "gate_up_proj"):
+            layer.mlp.forward = types.MethodType(joined_mlp, layer.mlp)
+            joined += 1
+    return joined

@@ -49,7 +49,7 @@ from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, 
 from engines import attention_cpu
 from engines.attention_cpu import DecodeAttention
 from engines.base import Generation
-from engines.joined import join, joined_mlp
+from engines.joined import join_layers
 from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
 from engines.steps import batch_call
 
@@ -296,14 +296,7 @@ class RingEngine(SteppingEngine):
     def join_linears(self) -> int:
         """q, k and v of each layer that writes its own K/V (its attention is ``ring_attention``), gate and up of
         every MLP (``joined_mlp``)."""
-        joined = 0
-        for layer in self.model.model.layers:
-            if not layer.self_attn.is_kv_shared_layer:
-                joined += join(layer.self_attn, "qkv_proj")
-            if join(layer.mlp, "gate_up_proj"):
-                layer.mlp.forward = types.MethodType(joined_mlp, layer.mlp)
-                joined += 1
-        return joined
+        return join_layers(self.model)
 
     def build(self) -> None:
         piece = self.ctx.engine_cfg.piece

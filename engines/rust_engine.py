@@ -23,6 +23,7 @@ from engines import attention_cpu, cpu_kernels, int4, int4_cpu, norm_cpu, one_ro
 from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
+from engines.joined import join_layers
 from engines.one_row import OneRow, PackedEmbedding, PackedLinear
 
 
@@ -41,7 +42,8 @@ class RustEngineConfig(EngineConfig):
     ``decodebench_int4::int4_rows``, its vocabulary tables read row by row from their packed words (a CPU with
     AVX-512 BF16, bf16; skipped, named, elsewhere). ``decode_attention``: a decode step's attention
     (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere). Every such
-    kernel is the operator the PyTorch engines call, found by name in ATen's dispatcher."""
+    kernel is the operator the PyTorch engines call, found by name in ATen's dispatcher. q, k and v, and gate and
+    up, are one product each where ``engines.joined`` joins them, as the ring's are."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
@@ -132,6 +134,8 @@ class RustEngine(Engine):
         self.int4 = self.ctx.engine_cfg.weights == Weights.int4
         model = self.load_int4() if self.int4 else load_model(self.checkpoint, dtype, device)[0]
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
+        self.int4_linears = sum(isinstance(m, Int4Linear) for m in model.modules())  # as the checkpoint has them
+        self.joined_linears = join_layers(model)  # the Rust layer splits a joined product's outputs (model.rs: Qkv)
         self.one_row_choice = one_row.choose_for(model, self.ctx.engine_cfg.one_row, self.ctx.device.kind,
                                                  self.ctx.cache_dir)  # fmt: skip
         self.one_row = self.one_row_choice.one_row
@@ -214,14 +218,14 @@ class RustEngine(Engine):
         described = {"build": self.build, "layout": self.native.layout, "read_every": self.ctx.read_every,
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
                      "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
-                     "norm": self.norm,
+                     "norm": self.norm, "rope": norm_cpu.ROPE if self.norm == norm_cpu.OP else norm_cpu.EAGER,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
+                     "joined_linears": self.joined_linears,
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:
-            described.update(int4_kernel=int4.kernels_of(self.model),
-                             int4_linears=sum(isinstance(m, Int4Linear) for m in self.model.modules()))  # fmt: skip
+            described.update(int4_kernel=int4.kernels_of(self.model), int4_linears=self.int4_linears)
         return described
 
 

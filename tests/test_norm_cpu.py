@@ -1,5 +1,5 @@
-"""``decodebench_norm.rms`` (engines/norm_cpu.py) against a float64 reference and against the eager operators it
-replaces in the Rust engine.
+"""``decodebench_norm.rms`` and ``rms_rope`` (engines/norm_cpu.py) against a float64 reference and against the eager
+operators they replace in the Rust engine.
 
 Exact means: each output within the bf16 rounding of the float64 norm plus what a float32 sum of the squares may lose;
 and the bits eager PyTorch writes (the nine operators the Rust engine called), but where the two float32 sums of the
@@ -67,3 +67,58 @@ def test_rms_refuses_what_it_cannot_normalize():
         norm_cpu.rms(x, torch.ones(9, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         norm_cpu.rms(x.float(), None, 1e-6)
+
+
+def angles(batch: int, seq: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch, seq, 1, n] in bf16 as Transformers' rotary embedding gives them: each position's angles
+    repeated over the two halves."""
+    generator = torch.Generator().manual_seed(seed)
+    half = torch.rand(batch, seq, 1, n // 2, generator=generator) * 40
+    both = torch.cat([half, half], dim=-1)
+    return both.cos().to(torch.bfloat16), both.sin().to(torch.bfloat16)
+
+
+def eager_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Transformers' (and the Rust engine's) eager rotation in bf16: y * cos + rotate_half(y) * sin."""
+    half = y.shape[-1] // 2
+    return y * cos + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * sin
+
+
+ROPE_SHAPES = [(1, 1, 8, 256), (1, 1, 1, 512), (1, 256, 8, 256), (2, 3, 4, 40), (1, 5, 2, 18)]
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+def test_rms_rope_writes_the_norm_then_the_eager_rotations_bits(shape, per_batch):
+    """The norm is ``rms``'s, and the rotation rounds each product and the sum as eager's bf16 operators do: the same
+    bits, every output (angles one set for all rows, or a batch's own)."""
+    x, weight = inputs(shape, True)
+    cos, sin = angles(shape[0] if per_batch else 1, shape[1], shape[3], seed=shape[3])
+    got = norm_cpu.rms_rope(x, weight, 1e-6, cos, sin)
+    want = eager_rope(norm_cpu.rms(x, weight, 1e-6), cos, sin)
+    assert got.shape == x.shape and torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+def test_rms_rope_is_the_float64_rotation_of_its_norm(shape):
+    """Against float64: each output within the three bf16 roundings of the rotation (the two products and their sum)."""
+    x, weight = inputs(shape, True)
+    cos, sin = angles(1, shape[1], shape[3], seed=1)
+    got = norm_cpu.rms_rope(x, weight, 1e-6, cos, sin).double()
+    y, c, s = norm_cpu.rms(x, weight, 1e-6).double(), cos.double(), sin.double()
+    half = shape[3] // 2
+    rotated = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+    want = y * c + rotated * s
+    bound = ((y * c).abs() + (rotated * s).abs()) * 2.0**-8 * (1 + 2.0**-8) + want.abs() * 2.0**-8
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
+def test_rms_rope_refuses_what_it_cannot_rotate():
+    x = torch.randn(1, 2, 3, 8).to(torch.bfloat16)
+    cos, sin = angles(1, 2, 8, seed=0)
+    with pytest.raises(RuntimeError, match="n even"):
+        norm_cpu.rms_rope(torch.randn(1, 2, 3, 7).to(torch.bfloat16), None, 1e-6, cos[..., :7], sin[..., :7])
+    with pytest.raises(RuntimeError, match="cos and sin: bfloat16 \\[1 or 1, 2, 1, 8\\]"):
+        norm_cpu.rms_rope(x, None, 1e-6, cos[:, :1], sin[:, :1])
+    with pytest.raises(RuntimeError, match="x: bfloat16 \\[batch, seq, heads, n\\]"):
+        norm_cpu.rms_rope(x[0], None, 1e-6, cos, sin)

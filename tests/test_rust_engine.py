@@ -189,6 +189,51 @@ def test_shim_norm_is_the_python_engines_operator():
     x, weight = torch.randn(2, 3, 40).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
     assert torch.equal(decodebench_rs.shim_op("rms_norm", [x, weight], [1e-6]), norm_cpu.rms(x, weight, 1e-6))
     assert torch.equal(decodebench_rs.shim_op("rms_norm", [x], [1e-6]), norm_cpu.rms(x, None, 1e-6))
+    heads = x.reshape(2, 3, 2, 20)
+    cos, sin = torch.randn(2, 3, 1, 20).to(torch.bfloat16), torch.randn(2, 3, 1, 20).to(torch.bfloat16)
+    assert torch.equal(
+        decodebench_rs.shim_op("rms_rope", [heads, weight[:20], cos, sin], [1e-6]),
+        norm_cpu.rms_rope(heads, weight[:20], 1e-6, cos, sin),
+    )
+
+
+def joined_in(model: nn.Module) -> int:
+    """The linears engines.joined makes of a Gemma 4 model: q, k and v of each layer that holds its own K/V, gate and
+    up of every MLP."""
+    layers = model.model.layers
+    return sum(not layer.self_attn.is_kv_shared_layer for layer in layers) + len(layers)
+
+
+def joined_parts(model: nn.Module) -> int:
+    """The linears the joined ones replace: three for each q, k and v, two for each gate and up."""
+    layers = model.model.layers
+    return 3 * sum(not layer.self_attn.is_kv_shared_layer for layer in layers) + 2 * len(layers)
+
+
+@pytest.mark.parametrize("weights", ["int4", "dense"])
+def test_joined_products_give_the_rust_model_the_bits_of_its_products_apart(cache_dir, tiny, monkeypatch, weights):
+    """q, k, v and gate, up joined (the Rust layer splits one product's outputs) or left apart (what the Rust model
+    reads where they cannot be joined): the same logits, bit for bit, prompt and decode steps (int4_rows and bf16_rows
+    compute each output as its own product does)."""
+    if weights == "int4":
+        runs_here(ROWS)
+        overrides = ("engine.weights=int4",)
+    elif reason := bf16_cpu.unsupported(torch.bfloat16):
+        pytest.skip(f"{bf16_cpu.OP}: {reason}")
+    else:
+        overrides = ("engine.one_row=rows",)
+    logits = {}
+    for join in (True, False):
+        if not join:
+            monkeypatch.setattr("engines.rust_engine.join_layers", lambda model: 0)
+        handle = opened(f"cache_dir={cache_dir}", "engine=rust", "dtype=bfloat16", "context=1024", *overrides)
+        try:
+            engine = handle.load()
+            assert engine.describe()["joined_linears"] == (joined_in(engine.model) if join else 0)
+            logits[join] = engine.generate(PROMPT, 6, return_logits=True).logits
+        finally:
+            handle.close()
+    assert torch.equal(logits[True], logits[False])
 
 
 def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny):
@@ -200,8 +245,10 @@ def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, 
     engine = record["engine"]
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
     assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
-    assert engine["norm"] == (norm_cpu.EAGER if norm_cpu.unsupported("cpu", torch.bfloat16) else norm_cpu.OP)
+    kernels = not norm_cpu.unsupported("cpu", torch.bfloat16)
+    assert (engine["norm"], engine["rope"]) == ((norm_cpu.OP, norm_cpu.ROPE) if kernels else (norm_cpu.EAGER,) * 2)
     assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
+    assert engine["joined_linears"] == joined_in(skeleton)
     out = record["outputs"]["prompt"]
     assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"
 
@@ -239,7 +286,9 @@ def test_rows_rust_writes_the_reference_tokens_with_every_linear_packed(cell_cfg
     record = run_cell(cell_cfg("engine=rust", "engine.one_row=rows", "experiment=parity-bf16", "max_new_tokens=16"))
     assert record["status"] == "ok", record["reason"]
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.w4a16).config)
-    assert record["engine"]["row_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
+    linears, joined = sum(isinstance(m, nn.Linear) for m in skeleton.modules()), joined_in(skeleton)
+    assert record["engine"]["joined_linears"] == joined
+    assert record["engine"]["row_linears"] == linears - joined_parts(skeleton) + joined
     out = record["outputs"]["prompt"]
     assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"
 

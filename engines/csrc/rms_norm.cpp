@@ -9,12 +9,19 @@
 // to bf16, r = 1 / sqrt(sum / n + eps). Only the order of the sum differs from aten's mean (its own vectorized
 // order); every other operation is the same float32 operation. Rows are shared among threads when there are many
 // (a prompt's piece); a decode step's few rows run on the calling thread.
+//
+// decodebench_norm::rms_rope: a q or k head's norm and then its rotary embedding, one operator where the Rust engine
+// called eight more (narrow twice, neg, cat, mul, mul, add after the norm: `rope` in model.rs), on each query and key
+// head of every layer. Each rotated value is rounded as eager rounds it in bf16: bf16(bf16(y * cos) + bf16(r * sin)),
+// y the normed row rounded to bf16, r its rotated half (-y2, y1: negation is exact): the same bits as the eager
+// operators.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 #include "rows.h"
 
@@ -40,33 +47,103 @@ DB_TARGET void norm_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t 
   }
 }
 
-at::Tensor rms(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1, "x: bfloat16 [..., n]");
-  const int64_t n = x.size(-1);
-  const at::Tensor rows = x.contiguous();
-  const c10::BFloat16* w = nullptr;
-  at::Tensor held;
-  if (weight.has_value()) {
-    TORCH_CHECK(weight->scalar_type() == at::kBFloat16 && weight->dim() == 1 && weight->size(0) == n,
-                "weight: bfloat16 [", n, "], got ", weight->sizes());
-    held = weight->contiguous();
-    w = held.data_ptr<c10::BFloat16>();
+// v rounded to bf16 (as store_tile rounds) and widened back: what an eager bf16 operator's result holds.
+DB_TARGET inline __m512 rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// out = y * cos + rotate_half(y) * sin for one row of n values (n even), rotate_half(y) = (-y2, y1), each product and
+// the sum rounded to bf16 as eager's three operators round them.
+DB_TARGET void rotate_row(const c10::BFloat16* y, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t n,
+                          c10::BFloat16* out) {
+  const int64_t half = n / 2;
+  for (int64_t d = 0; d < half; d += kTile) {
+    const int64_t valid = half - d;
+    const __m512 first = widen(y + d, valid), second = widen(y + half + d, valid);
+    const __m512 lo = _mm512_add_ps(rounded(_mm512_mul_ps(first, widen(cos + d, valid))),
+                                    rounded(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), second),
+                                                          widen(sin + d, valid))));
+    const __m512 hi = _mm512_add_ps(rounded(_mm512_mul_ps(second, widen(cos + half + d, valid))),
+                                    rounded(_mm512_mul_ps(first, widen(sin + half + d, valid))));
+    store_tile(out + d, lo, valid);
+    store_tile(out + half + d, hi, valid);
   }
+}
+
+// The weight's values (bf16 [n]), or null for none.
+const c10::BFloat16* weight_of(const std::optional<at::Tensor>& weight, int64_t n, at::Tensor& held) {
+  if (!weight.has_value()) return nullptr;
+  TORCH_CHECK(weight->scalar_type() == at::kBFloat16 && weight->dim() == 1 && weight->size(0) == n,
+              "weight: bfloat16 [", n, "], got ", weight->sizes());
+  held = weight->contiguous();
+  return held.data_ptr<c10::BFloat16>();
+}
+
+// fn(i, row_in, row_out) for each of x's rows of n values (x contiguous), shared among threads when there are many.
+template <typename Fn>
+at::Tensor each_row(const at::Tensor& rows, Fn&& fn) {
+  const int64_t n = rows.size(-1);
   at::Tensor out = at::detail::empty_cpu(rows.sizes(), rows.options());
   const auto* xp = rows.data_ptr<c10::BFloat16>();
   auto* yp = out.data_ptr<c10::BFloat16>();
   const int64_t count = n == 0 ? 0 : rows.numel() / n;
-  const float eps_f = static_cast<float>(eps);
   at::parallel_for(0, count, std::max<int64_t>(1, kValuesPerThread / std::max<int64_t>(n, 1)),
                    [&](int64_t first, int64_t last) {
-                     for (int64_t i = first; i < last; ++i) norm_row(xp + i * n, w, n, eps_f, yp + i * n);
+                     for (int64_t i = first; i < last; ++i) fn(i, xp + i * n, yp + i * n);
                    });
   return out;
 }
 
+at::Tensor rms(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1, "x: bfloat16 [..., n]");
+  const int64_t n = x.size(-1);
+  at::Tensor held;
+  const c10::BFloat16* w = weight_of(weight, n, held);
+  const float eps_f = static_cast<float>(eps);
+  return each_row(x.contiguous(), [&](int64_t, const c10::BFloat16* row, c10::BFloat16* y) {
+    norm_row(row, w, n, eps_f, y);
+  });
+}
+
+// x [batch, seq, heads, n]: each head's row normed, then rotated by its position's cos and sin ([1 or batch, seq, 1,
+// n] bf16, as Transformers' rotary embedding gives them unsqueezed at the heads).
+at::Tensor rms_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, const at::Tensor& cos,
+                    const at::Tensor& sin) {
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms_rope needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4 && x.size(3) % 2 == 0,
+              "x: bfloat16 [batch, seq, heads, n], n even; got ", x.sizes());
+  const int64_t batch = x.size(0), seq = x.size(1), heads = x.size(2), n = x.size(3);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && (t->size(0) == 1 || t->size(0) == batch) &&
+                    t->size(1) == seq && t->size(2) == 1 && t->size(3) == n,
+                "cos and sin: bfloat16 [1 or ", batch, ", ", seq, ", 1, ", n, "], got ", t->sizes());
+  }
+  TORCH_CHECK(cos.size(0) == sin.size(0), "cos and sin: one batch size, got ", cos.sizes(), " and ", sin.sizes());
+  at::Tensor held;
+  const c10::BFloat16* w = weight_of(weight, n, held);
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const auto* cp = c.data_ptr<c10::BFloat16>();
+  const auto* sp = s.data_ptr<c10::BFloat16>();
+  const int64_t angle_batch = c.size(0) == 1 ? 0 : seq;  // a row's angles: its batch's (or the one) then its position
+  const float eps_f = static_cast<float>(eps);
+  return each_row(x.contiguous(), [&](int64_t i, const c10::BFloat16* row, c10::BFloat16* y) {
+    thread_local std::vector<c10::BFloat16> normed;  // the normed row as eager's norm leaves it, then rotated
+    normed.resize(n);
+    norm_row(row, w, n, eps_f, normed.data());
+    const int64_t angles = (i / (seq * heads) * angle_batch + i / heads % seq) * n;
+    rotate_row(normed.data(), cp + angles, sp + angles, n, y);
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY(decodebench_norm, m) { m.def("rms(Tensor x, Tensor? weight, float eps) -> Tensor"); }
+TORCH_LIBRARY(decodebench_norm, m) {
+  m.def("rms(Tensor x, Tensor? weight, float eps) -> Tensor");
+  m.def("rms_rope(Tensor x, Tensor? weight, float eps, Tensor cos, Tensor sin) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(decodebench_norm, CPU, m) { m.impl("rms", &rms); }
+TORCH_LIBRARY_IMPL(decodebench_norm, CPU, m) {
+  m.impl("rms", &rms);
+  m.impl("rms_rope", &rms_rope);
+}

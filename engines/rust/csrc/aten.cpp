@@ -49,6 +49,7 @@ using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, in
 using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
 using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double);
 using RmsNorm = Tensor(const Tensor&, const std::optional<Tensor>&, double);
+using RmsRope = Tensor(const Tensor&, const std::optional<Tensor>&, double, const Tensor&, const Tensor&);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> kernel(const char* name) {
@@ -210,6 +211,14 @@ T db_rms(T x, T weight, double eps) {
   return guarded([&] {
     static const auto op = kernel<RmsNorm>("decodebench_norm::rms");
     return op.call(*x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps);
+  });
+}
+
+// A q or k head's norm and then its rotary embedding in one operator: decodebench_norm::rms_rope (the same file).
+T db_rms_rope(T x, T weight, double eps, T cos, T sin) {
+  return guarded([&] {
+    static const auto op = kernel<RmsRope>("decodebench_norm::rms_rope");
+    return op.call(*x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps, *cos, *sin);
   });
 }
 

@@ -61,6 +61,7 @@ extern "C" {
     fn db_sdpa(q: Raw, k: Raw, v: Raw, mask: Raw, scale: f64) -> Raw;
     fn db_one_query(q: Raw, k: Raw, v: Raw, keep: Raw, scale: f64) -> Raw;
     fn db_rms(x: Raw, weight: Raw, eps: f64) -> Raw;
+    fn db_rms_rope(x: Raw, weight: Raw, eps: f64, cos: Raw, sin: Raw) -> Raw;
 }
 
 /// An error raised by ATen, with its message.
@@ -199,5 +200,11 @@ impl Tensor {
     /// rounded once: decodebench_norm::rms.
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         wrap(unsafe { db_rms(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps) })
+    }
+    /// x [B, S, heads, n] bf16 normed as `rms_norm` does, then rotated by `cos` and `sin` [1 or B, S, 1, n] (Gemma's
+    /// rotary embedding, each product and sum rounded to bf16 as eager's operators round them):
+    /// decodebench_norm::rms_rope.
+    pub fn rms_rope(&self, weight: Option<&Tensor>, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        wrap(unsafe { db_rms_rope(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps, cos.0, sin.0) })
     }
 }

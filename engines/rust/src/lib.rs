@@ -271,6 +271,7 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
         "where" => t[0].where_(&t[1], &t[2]),
         "sdpa" => Tensor::sdpa(&t[0], &t[1], &t[2], &t[3], s(0)?),
         "rms_norm" => t[0].rms_norm(t.get(1), s(0)?),
+        "rms_rope" => t[0].rms_rope(Some(&t[1]), s(0)?, &t[2], &t[3]),
         _ => return Err(PyValueError::new_err(format!("no shim operation {name}"))),
     };
     to_python(py, &out.map_err(|e| PyRuntimeError::new_err(e.0))?)

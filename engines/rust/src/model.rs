@@ -40,8 +40,22 @@ pub struct Config {
     pub one_row_mv: bool,
     /// A decode step's attention by the project's decodebench_attn::one_query (engine.decode_attention).
     pub one_query: bool,
-    /// Each norm by the project's decodebench_norm::rms, one operator in place of nine (engines/norm_cpu.py).
+    /// Each norm by the project's decodebench_norm::rms, one operator in place of nine, and a q or k head's norm and
+    /// rotary embedding by decodebench_norm::rms_rope, one in place of seventeen (engines/norm_cpu.py).
     pub rms_norm: bool,
+}
+
+/// A layer's q, k and v products (k and v only where the layer owns a cache): one product whose outputs are q's,
+/// k's and v's side by side where the Python side joined them (engines/joined.py), else one each.
+enum Qkv {
+    Apart(Linear, Option<(Linear, Linear)>),
+    Joined(Linear),
+}
+
+/// An MLP's gate and up products: joined (gate's outputs, then up's) or one each.
+enum GateUp {
+    Apart(Linear, Linear),
+    Joined(Linear),
 }
 
 struct Layer {
@@ -50,12 +64,11 @@ struct Layer {
     pre_ff_norm: Tensor,
     post_ff_norm: Tensor,
     post_ple_norm: Tensor,
-    q_proj: Linear,
+    qkv: Qkv,
     q_norm: Tensor,
-    kv: Option<(Linear, Linear, Tensor)>, // k_proj, v_proj, k_norm for layers that own a cache
+    k_norm: Option<Tensor>, // for layers that own a cache
     o_proj: Linear,
-    gate: Linear,
-    up: Linear,
+    gate_up: GateUp,
     down: Linear,
     ple_gate: Linear,
     ple_projection: Linear,
@@ -141,10 +154,17 @@ impl Model {
             let (pre_ff_norm, post_ff_norm) = (w("pre_feedforward_layernorm.weight")?, w("post_feedforward_layernorm.weight")?);
             let (post_ple_norm, q_norm, scalar) = (w("post_per_layer_input_norm.weight")?, w("self_attn.q_norm.weight")?, w("layer_scalar")?);
             let k_norm = if spec.source == i { Some(w("self_attn.k_norm.weight")?) } else { None };
+            let joined = |name: &str| weights.holds(&format!("{p}{name}.weight"));
+            let (joined_qkv, joined_gate_up) = (joined("self_attn.qkv_proj"), joined("mlp.gate_up_proj"));
             let mut l = |name: &str| weights.linear(&format!("{p}{name}.weight"), &like);
-            let kv = match k_norm {
-                Some(k_norm) => Some((l("self_attn.k_proj")?, l("self_attn.v_proj")?, k_norm)),
-                None => None,
+            let qkv = match (joined_qkv, &k_norm) {
+                (true, _) => Qkv::Joined(l("self_attn.qkv_proj")?),
+                (false, Some(_)) => Qkv::Apart(l("self_attn.q_proj")?, Some((l("self_attn.k_proj")?, l("self_attn.v_proj")?))),
+                (false, None) => Qkv::Apart(l("self_attn.q_proj")?, None),
+            };
+            let gate_up = match joined_gate_up {
+                true => GateUp::Joined(l("mlp.gate_up_proj")?),
+                false => GateUp::Apart(l("mlp.gate_proj")?, l("mlp.up_proj")?),
             };
             layers.push(Layer {
                 input_norm,
@@ -152,12 +172,11 @@ impl Model {
                 pre_ff_norm,
                 post_ff_norm,
                 post_ple_norm,
-                q_proj: l("self_attn.q_proj")?,
+                qkv,
                 q_norm,
-                kv,
+                k_norm,
                 o_proj: l("self_attn.o_proj")?,
-                gate: l("mlp.gate_proj")?,
-                up: l("mlp.up_proj")?,
+                gate_up,
                 down: l("mlp.down_proj")?,
                 ple_gate: l("per_layer_input_gate")?,
                 ple_projection: l("per_layer_projection")?,
@@ -221,11 +240,45 @@ impl Model {
         out.to_like(x)
     }
 
-    fn rope(&self, x: &Tensor, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
+    /// A q or k head's norm (its weight) and then its rotary embedding, x [1, seq, heads, head_dim].
+    fn rms_rope(&self, x: &Tensor, weight: &Tensor, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
+        if self.cfg.rms_norm {
+            return x.rms_rope(Some(weight), self.cfg.eps, &cos_sin.0, &cos_sin.1);
+        }
+        let x = self.rms(x, Some(weight))?;
         let d = x.size(-1);
         let (x1, x2) = (x.narrow(-1, 0, d / 2)?, x.narrow(-1, d / 2, d / 2)?);
         let rotated = x2.neg()?.cat(&x1, -1)?;
         x.mul(&cos_sin.0)?.add(&rotated.mul(&cos_sin.1)?)
+    }
+
+    /// q, and k and v where the layer owns a cache, [1, seq, width] each: from one joined product, split, or one each.
+    fn qkv(&self, i: usize, x: &Tensor) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let (spec, mv) = (&self.cfg.layers[i], self.cfg.one_row_mv);
+        match &self.layers[i].qkv {
+            Qkv::Apart(q, None) => Ok((x.linear(q, mv)?, None)),
+            Qkv::Apart(q, Some((k, v))) => Ok((x.linear(q, mv)?, Some((x.linear(k, mv)?, x.linear(v, mv)?)))),
+            Qkv::Joined(w) => {
+                let all = x.linear(w, mv)?;
+                let kv = spec.kv_heads * spec.head_dim;
+                let q = all.size(-1) - 2 * kv;
+                Ok((all.narrow(-1, 0, q)?, Some((all.narrow(-1, q, kv)?, all.narrow(-1, q + kv, kv)?))))
+            }
+        }
+    }
+
+    /// The MLP: down(gelu_tanh(gate(x)) * up(x)), gate and up from one joined product where the layer has it.
+    fn mlp(&self, layer: &Layer, x: &Tensor) -> Result<Tensor> {
+        let mv = self.cfg.one_row_mv;
+        let (gate, up) = match &layer.gate_up {
+            GateUp::Apart(gate, up) => (x.linear(gate, mv)?, x.linear(up, mv)?),
+            GateUp::Joined(w) => {
+                let both = x.linear(w, mv)?;
+                let width = both.size(-1) / 2;
+                (both.narrow(-1, 0, width)?, both.narrow(-1, width, width)?)
+            }
+        };
+        gate.gelu_tanh()?.mul(&up)?.linear(&layer.down, mv)
     }
 
     fn begin(&mut self, positions: Tensor, valid: &Tensor, hidden: &Tensor) -> Result<Step> {
@@ -265,10 +318,11 @@ impl Model {
         let kind = if spec.sliding { 1 } else { 0 };
         let shape = [1, seq, -1, spec.head_dim];
         let mv = self.cfg.one_row_mv;
-        let q = self.rope(&self.rms(&x.linear(&layer.q_proj, mv)?.reshape(&shape)?, Some(&layer.q_norm))?, &step.cos_sin[kind])?;
-        if let Some((k_proj, v_proj, k_norm)) = &layer.kv {
-            let k = self.rope(&self.rms(&x.linear(k_proj, mv)?.reshape(&shape)?, Some(k_norm))?, &step.cos_sin[kind])?;
-            let v = self.rms(&x.linear(v_proj, mv)?.reshape(&shape)?, None)?;
+        let (q, kv) = self.qkv(i, x)?;
+        let q = self.rms_rope(&q.reshape(&shape)?, &layer.q_norm, &step.cos_sin[kind])?;
+        if let (Some((k, v)), Some(k_norm)) = (kv, &layer.k_norm) {
+            let k = self.rms_rope(&k.reshape(&shape)?, k_norm, &step.cos_sin[kind])?;
+            let v = self.rms(&v.reshape(&shape)?, None)?;
             let slots = if spec.sliding { &step.ring_slot } else { &step.positions };
             self.ring.k[&i].index_copy_(2, slots, &k.transpose(1, 2)?)?;
             self.ring.v[&i].index_copy_(2, slots, &v.transpose(1, 2)?)?;
@@ -308,7 +362,7 @@ impl Model {
             let attn = self.attention(i, &self.rms(&h, Some(&layer.input_norm))?, &step)?;
             h = h.add(&self.rms(&attn, Some(&layer.post_attention_norm))?)?;
             let x = self.rms(&h, Some(&layer.pre_ff_norm))?;
-            let mlp = x.linear(&layer.gate, mv)?.gelu_tanh()?.mul(&x.linear(&layer.up, mv)?)?.linear(&layer.down, mv)?;
+            let mlp = self.mlp(layer, &x)?;
             h = h.add(&self.rms(&mlp, Some(&layer.post_ff_norm))?)?;
             let g = h.linear(&layer.ple_gate, mv)?.gelu_tanh()?.mul(&ple.select(2, i as i64)?)?.linear(&layer.ple_projection, mv)?;
             h = h.add(&self.rms(&g, Some(&layer.post_ple_norm))?)?.mul(&layer.scalar)?;

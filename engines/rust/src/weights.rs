@@ -90,6 +90,11 @@ impl Weights {
         }
     }
 
+    /// Whether a linear or tensor of this name is held (a joined linear, where the Python side joined one).
+    pub fn holds(&self, name: &str) -> bool {
+        self.linears.contains_key(name) || self.dense.contains_key(name)
+    }
+
     /// A table's weight: the one given packed (4-bit, or tied to a `bf16_rows` linear), else the dense tensor.
     pub fn table(&mut self, name: &str, like: &Tensor) -> Result<Table> {
         match self.tables.remove(name) {
