@@ -5,6 +5,12 @@ Every cell writes one evidence file under ``evidence/runs/<sweep>/``, even when 
 
 from __future__ import annotations
 
+import os
+
+from decodebench import pages
+
+os.environ.setdefault(pages.VARIABLE, pages.ON)  # huge pages: before torch is imported (decodebench/pages.py)
+
 import logging
 import sys
 

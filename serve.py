@@ -10,6 +10,12 @@ with the server's own defaults (``serving.defaults``) unless the command line or
 
 from __future__ import annotations
 
+import os
+
+from decodebench import pages
+
+os.environ.setdefault(pages.VARIABLE, pages.ON)  # huge pages: before torch is imported (decodebench/pages.py)
+
 import signal
 import sys
 

@@ -1,5 +1,5 @@
 """What a run ran on, enough for a stranger to re-run a cell: host, CPU model and flags, cores and threads,
-the environment variables that change speed, library and driver versions, device, git state (with a
+the environment variables that change speed, the memory pages it held, library and driver versions, device, git state (with a
 hash of any uncommitted change) and time, for every evidence file; and what else used the machine
 while the cell ran (``Contention``).
 
@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from decodebench import pages
 from decodebench.device import ACCELERATOR_OWNERS, Device, cpu_model
 
 PACKAGES = (
@@ -45,7 +46,7 @@ PACKAGES = (
 REPO = Path(__file__).resolve().parents[1]
 # Environment variables that change how fast a kernel runs, by prefix (thread pools, compilers, devices).
 SPEED_VARIABLES = ("OMP_", "MKL_", "OPENBLAS_", "XLA_FLAGS", "TORCHINDUCTOR_", "TORCH_", "CUDA_VISIBLE_DEVICES",
-                   "TPU_", "JAX_", "PJRT_", "LIBTPU_")  # fmt: skip
+                   "TPU_", "JAX_", "PJRT_", "LIBTPU_", pages.VARIABLE)  # fmt: skip
 SPEED_FLAGS = re.compile(r"^(avx2|avx512.*|amx.*|.*bf16.*|fma|f16c)$")  # CPU flags that decide which kernels run
 CONTENDED_CORES = 0.25  # other processes' average busy cores above which a cell is contended
 
@@ -166,6 +167,7 @@ def capture(device: Device | None) -> dict[str, Any]:
         "cpu_flags": cpu_flags(),
         "threads": threads(),
         "speed_variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SPEED_VARIABLES)},
+        "memory_pages": pages.facts(),
         "process": {"pid": os.getpid(), "accelerator_owners": dict(ACCELERATOR_OWNERS)},
         **CODE,
         "utc_time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -13,9 +13,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from decodebench import pages
+
 # One intra-op thread per test process (and each process a test starts): pytest-xdist already puts a worker
 # on every core, so a second thread each only contends. Tests check methods, not speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault(pages.VARIABLE, pages.ON)  # huge pages: before torch is imported (decodebench/pages.py)
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decodebench import environment
+from decodebench import environment, pages
 from decodebench.device import resolve_device
 from decodebench.evidence import Samples
 from decodebench.stats import differs, median_interval, ratio_interval
@@ -89,6 +89,9 @@ def test_evidence_says_enough_to_rerun_the_cell(cell_cfg, tiny, monkeypatch):
     record = run_cell(cell_cfg(*CHEAP, "repeats=1", "replica=1"))
     env = record["environment"]
     assert env["speed_variables"]["OMP_NUM_THREADS"] == "2"
+    held = env["memory_pages"]  # what run.py asks for, before torch is imported; the tests' conftest asks the same
+    assert env["speed_variables"][pages.VARIABLE] == held["torch_allocator"] == pages.ON
+    assert held["system"] == pages.system_mode()
     assert env["threads"]["torch_threads"] >= 1 and env["threads"]["cpu_count"] >= env["threads"]["usable_cores"]
     flags = Path("/proc/cpuinfo").read_text()
     assert ("avx2" in env["cpu_flags"]) == (" avx2" in flags)
