@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from decodebench import evidence, hardware
+from decodebench import evidence, hardware, pages
 from decodebench.checkpoint import CheckpointError
 from decodebench.config import ConfigError, RunConfig, host_folder, validate_sweep
 from decodebench.config import register_configs as register_core
@@ -296,6 +296,7 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
             finally:
                 if opened.engine is not None:
                     record.engine = opened.engine.describe()
+                    record.environment["memory_pages"] = pages.facts()  # again, loaded: the huge pages its weights hold
                 opened.close()
             keep(record, result)
     finally:

@@ -44,5 +44,6 @@ def huge_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
 
 
 def facts() -> dict[str, Any]:
-    """For the evidence: what torch's allocator was asked for, what the kernel allows, and what the process holds."""
+    """For the evidence: what torch's allocator was asked for, what the kernel allows, and what the process holds
+    now (the runner reads it again with the engine loaded, so ``anon_huge_kib`` is what its weights hold)."""
     return {"torch_allocator": os.environ.get(VARIABLE), "system": system_mode(), "anon_huge_kib": huge_kib()}

@@ -108,6 +108,15 @@ def test_evidence_says_enough_to_rerun_the_cell(cell_cfg, tiny, monkeypatch):
         assert env["stack"]["lock_sha256_16"] == hashlib.sha256(lock).hexdigest()[:16]
 
 
+def test_the_huge_pages_recorded_are_read_with_the_engine_loaded(cell_cfg, tiny, monkeypatch):
+    """``anon_huge_kib`` is the last reading, taken after the experiment and before the engine is closed."""
+    reads: list[int] = []
+    monkeypatch.setattr(pages, "huge_kib", lambda: reads.append(len(reads) + 1) or len(reads))
+    record = run_cell(cell_cfg(*CHEAP, "repeats=1"))
+    assert record["status"] == "ok", record["reason"]
+    assert record["environment"]["memory_pages"]["anon_huge_kib"] == len(reads) >= 2
+
+
 def test_a_cells_code_is_what_its_process_imported_not_what_the_tree_holds_later(monkeypatch):
     at_import = environment.CODE
     assert at_import["git_sha"] and len(at_import["git_sha"]) == 40
