@@ -1,7 +1,7 @@
 """What a run ran on, enough for a stranger to re-run a cell: host, CPU model and flags, cores and threads,
-the environment variables that change speed, the memory pages it held, library and driver versions, device, git state (with a
-hash of any uncommitted change) and time, for every evidence file; and what else used the machine
-while the cell ran (``Contention``).
+the environment variables that change speed, the memory pages it held, library and driver versions, device,
+git state (with a hash of any uncommitted change) and time, for every evidence file; and what else used the
+machine while the cell ran (``Contention``).
 
 ``fingerprint`` names the environment class a figure belongs to (CPU model and flags, cores, device,
 software stack): the report never pools cells whose fingerprints differ.

@@ -89,7 +89,7 @@ def threads() -> int | None:
 
 
 def prefetch_hint() -> str | None:
-    """The cache level the kernels' prefetches ask for on this CPU (``nta`` on AMD, ``t0`` elsewhere: ``csrc/rows.h``
+    """The cache level the kernels' prefetches ask for on this CPU (``nta`` on AMD, ``t0+t1`` elsewhere: ``csrc/rows.h``
     has the figures behind the choice), or None where they do not run here."""
     return str(torch.ops.decodebench_int4.prefetch_hint()) if built() else None
 

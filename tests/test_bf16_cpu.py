@@ -88,4 +88,4 @@ def test_the_prefetch_hint_is_nta_on_amd_alone():
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     vendors = {line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")}
     assert len(vendors) == 1
-    assert cpu_kernels.prefetch_hint() == ("nta" if vendors == {"AuthenticAMD"} else "t0")
+    assert cpu_kernels.prefetch_hint() == ("nta" if vendors == {"AuthenticAMD"} else "t0+t1")

@@ -11,9 +11,11 @@ import torch
 
 from decodebench import pages
 
+MODES = [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+         ("always madvise [never]\n", "never"), ("", None)]  # fmt: skip
 
-@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
-                                            ("always madvise [never]\n", "never"), ("", None)])  # fmt: skip
+
+@pytest.mark.parametrize(("text", "mode"), MODES)
 def test_the_kernels_mode_is_the_bracketed_word(tmp_path, text, mode):
     path = tmp_path / "enabled"
     path.write_text(text)
@@ -23,7 +25,7 @@ def test_the_kernels_mode_is_the_bracketed_word(tmp_path, text, mode):
 
 def test_the_huge_pages_held_are_read_from_smaps(tmp_path):
     smaps = tmp_path / "smaps_rollup"
-    smaps.write_text("Rss:              812 kB\nAnonymous:     4000 kB\nAnonHugePages:     2048 kB\nShmemPmdMapped: 0 kB\n")
+    smaps.write_text("Rss:      812 kB\nAnonymous:    4000 kB\nAnonHugePages:     2048 kB\nShmemPmdMapped: 0 kB\n")
     assert pages.huge_kib(smaps) == 2048
     smaps.write_text("Rss: 812 kB\n")
     assert pages.huge_kib(smaps) is None

@@ -41,10 +41,24 @@ inline Hint prefetch_hint() {
   return hint;
 }
 
-// Asks the cache for the 64 bytes at p, with the hint H.
+// Bytes ahead of the ones being read that a second prefetch asks L2 for, where the hint is T0 (64 KiB). On the 2-core
+// KVM Xeon with the weights in 2 MiB pages (decodebench/pages.py; its streaming read 30-37 GB/s) one bf16 row over
+// cold copies of E2B's shapes read 24-25 GB/s (2048 x 1536: 18-21) with T0 16 KiB ahead alone, and 25-31 (24-26)
+// with T1 64 KiB ahead beside it, three rounds alternated; the int4 product, bound by its arithmetic there, 21-23
+// either way. T1 alone 64 KiB ahead: 21-26; T0 4 KiB or T1 128 KiB beside it: no better.
+constexpr int64_t kFarBytes = 65536;
+
+// Asks the cache for the 64 bytes at p (kPrefetchBytes ahead of the read), with the hint H; with T0, L2 also for the
+// 64 bytes kFarBytes ahead of the read.
 template <Hint H>
 inline void prefetch(const void* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), H == Hint::kNta ? _MM_HINT_NTA : _MM_HINT_T0);
+  const char* at = reinterpret_cast<const char*>(p);
+  if constexpr (H == Hint::kNta) {
+    _mm_prefetch(at, _MM_HINT_NTA);
+  } else {
+    _mm_prefetch(at, _MM_HINT_T0);
+    _mm_prefetch(at + (kFarBytes - kPrefetchBytes), _MM_HINT_T1);
+  }
 }
 
 #define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -151,8 +165,8 @@ inline void each_pass(int64_t tiles, int64_t rows, int64_t out, Fn&& fn) {
   }
 }
 
-// The hint's name, for the evidence: "nta" or "t0".
-inline const char* prefetch_hint_name() { return prefetch_hint() == Hint::kNta ? "nta" : "t0"; }
+// The hint's name, for the evidence: "nta", or "t0+t1" (T0 kPrefetchBytes ahead, T1 kFarBytes ahead).
+inline const char* prefetch_hint_name() { return prefetch_hint() == Hint::kNta ? "nta" : "t0+t1"; }
 
 // The threads each_pass's parallel_for runs on when it has 64 blocks to share: the library's check that it was built
 // with OpenMP (without it, ATen's inline parallel_for runs every block on the calling thread, and the kernels read
