@@ -124,6 +124,27 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     assert "in stalled" in stalled["traceback"] and "time.sleep" in stalled["traceback"]
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_sweep_stops_its_running_cell_and_no_cell_after_it_runs(cache_dir, tiny, tmp_path):
+    pid_file = tmp_path / "static.pid"
+    hook = "+hydra.callbacks.stall"
+    stall = (f"{hook}._target_=tests.sweep_hooks.StallInCell", f"{hook}.engine=static", f"{hook}.pid_file={pid_file}")
+    proc = sweep(cache_dir, tmp_path / "runs", *stall)
+    deadline = time.monotonic() + 300
+    while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pid_file.exists(), proc.communicate()
+    cell = json.loads(pid_file.read_text())["pid"]
+    proc.send_signal(signal.SIGTERM)  # the sweep's process only, as `kill` or a job scheduler sends it
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "the sweep was stopped by SIGTERM" in err
+    assert not Path(f"/proc/{cell}").exists() or "zombie" in Path(f"/proc/{cell}/status").read_text(), "a cell lives on"
+    cells = statuses(tmp_path / "runs" / "iso")
+    assert set(cells) == {"static"}, "no cell runs after the sweep was stopped"
+    stopped = cells["static"]
+    assert stopped["status"] == "failed" and "stopped by SIGTERM while the cell ran" in stopped["reason"]
+
+
 def test_each_cell_is_a_fork_of_a_clean_interpreter_and_a_fresh_one_on_a_tpu():
     assert cell_context(tpu=True).get_start_method() == "spawn"
     assert cell_context(tpu=False).get_start_method() == "forkserver"

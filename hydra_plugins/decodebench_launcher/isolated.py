@@ -17,12 +17,14 @@ cells that are not ok (checked here, before a process is started for them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -61,7 +63,8 @@ class IsolatedLauncher(Launcher):
         assert self.config is not None
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         context = cell_context(tpu_present())
-        return [self._launch_one(context, list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)]
+        with sigterm_stops_the_sweep():
+            return [self._launch_one(context, list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)]
 
     def _launch_one(self, context: BaseContext, overrides: list[str], idx: int) -> JobReturn:
         from decodebench.config import ConfigError
@@ -99,6 +102,25 @@ class IsolatedLauncher(Launcher):
             how = f"the cell ran past hydra.launcher.timeout_min={self.timeout_min:g} and was stopped ({how})"
         done.return_value = died(cfg, config, path, before, process.exitcode, how)
         return done
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_sweep() -> Iterator[None]:
+    """While the cells run, SIGTERM to the sweep's process ends the sweep as Ctrl-C does: the running cell is stopped
+    first (``_launch_one``) and writes its failed file, so no cell outlives its sweep. Python's own SIGTERM ended the
+    sweep's process at once and left its cell running, unwatched, to the end. (Signals are the main thread's.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"the sweep was stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cell_context(tpu: bool) -> BaseContext:
