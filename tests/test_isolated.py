@@ -105,7 +105,7 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     proc = sweep(
         cache_dir,
         tmp_path / "runs",
-        "hydra.launcher.timeout_min=0.05",  # 3 s from the cell's start: the stalled cell waits 120 s to be killed
+        "hydra.launcher.timeout_min=0.25",  # 15 s from each cell's start, the other's too; the stalled one waits 120 s
         f"{hook}._target_=tests.sweep_hooks.StallInCell",  # SIGTERM reaches it inside run_cell
         f"{hook}.engine=static",
         f"{hook}.pid_file={tmp_path / 'static.pid'}",
@@ -116,7 +116,7 @@ def test_a_cell_past_its_time_is_stopped_and_recorded_failed_and_the_sweep_goes_
     assert cells["generate"]["status"] == "ok", "the sweep went on"
     stalled = cells["static"]
     assert stalled["status"] == "failed"
-    assert "ran past hydra.launcher.timeout_min=0.05 and was stopped" in stalled["reason"]
+    assert "ran past hydra.launcher.timeout_min=0.25 and was stopped" in stalled["reason"]
     assert "killed by SIGTERM (signal 15)" in stalled["reason"] and "exit status -15" in stalled["reason"]
     assert (tmp_path / "static.pid").exists(), "its time starts when it runs, not with the fork server's imports"
     # the cell wrote its own file, with where it was; the launcher kept it and said how its process ended
