@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <climits>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -52,6 +53,11 @@ DB_TARGET inline __m512 rounded(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
+// -v with its sign bit flipped, as eager's neg writes it (0 - v would give +0 for +0, and a -0 sum its sign).
+DB_TARGET inline __m512 negated(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+}
+
 // out = y * cos + rotate_half(y) * sin for one row of n values (n even), rotate_half(y) = (-y2, y1), each product and
 // the sum rounded to bf16 as eager's three operators round them.
 DB_TARGET void rotate_row(const c10::BFloat16* y, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t n,
@@ -61,8 +67,7 @@ DB_TARGET void rotate_row(const c10::BFloat16* y, const c10::BFloat16* cos, cons
     const int64_t valid = half - d;
     const __m512 first = widen(y + d, valid), second = widen(y + half + d, valid);
     const __m512 lo = _mm512_add_ps(rounded(_mm512_mul_ps(first, widen(cos + d, valid))),
-                                    rounded(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), second),
-                                                          widen(sin + d, valid))));
+                                    rounded(_mm512_mul_ps(negated(second), widen(sin + d, valid))));
     const __m512 hi = _mm512_add_ps(rounded(_mm512_mul_ps(second, widen(cos + half + d, valid))),
                                     rounded(_mm512_mul_ps(first, widen(sin + half + d, valid))));
     store_tile(out + d, lo, valid);
