@@ -5,6 +5,12 @@ against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows`` on a 
 tile, times what a call costs before it reads anything (the call, the threads' start, the output), which the report
 takes from each kernel's other medians.
 
+Each kernel and shape is timed twice (``residence``): from ``memory`` (copies of the weight that leave the caches
+behind, each call reading another, as a decode step reads each weight once) and from ``cache`` (one weight of the
+shape's inputs and as many of its outputs as ``CACHED_BYTES`` holds, ``cached_outputs``, called over and over: it
+stays in the cores' L2). The second is what the kernel's arithmetic allows with the memory out of the way: where it is
+below the machine's streaming read, the kernel cannot reach the read from memory either, and the report says so.
+
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
 also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance), and records
@@ -60,11 +66,16 @@ def packed_linear(weight: torch.Tensor) -> one_row.PackedLinear:
     return one_row.PackedLinear(linear)
 
 
-def last_level_cache_bytes() -> int:
-    """The largest cache this CPU reports (sysfs), in bytes; 0 where it reports none."""
+def cache_bytes(level: int | None = None) -> int:
+    """The size in bytes of the data cache of ``level`` (the largest of any level where None) that this CPU's first
+    core reports (sysfs); 0 where it reports none."""
     sizes = [0]
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = index.read_text().strip()
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        if (index / "type").read_text().strip() == "Instruction":
+            continue
+        if level is not None and int((index / "level").read_text()) != level:
+            continue
+        text = (index / "size").read_text().strip()
         sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
     return max(sizes)
 
@@ -72,7 +83,24 @@ def last_level_cache_bytes() -> int:
 # A call's weight copies together hold at least this much (1024 copies at most): twice the largest cache, 512 MiB at
 # least. A fixed 512 MiB left a 2-core Xeon that reports 480 MiB of L3 reading some copies from it: torch.mv "read"
 # 102-105 % of the streaming read on E2B's layer shapes there.
-COLD_BYTES = max(512 << 20, 2 * last_level_cache_bytes())
+COLD_BYTES = max(512 << 20, 2 * cache_bytes())
+# A cache-resident weight holds at most this much: half of each thread's L2 (1 MiB where none is reported).
+CACHED_BYTES = torch.get_num_threads() * (cache_bytes(2) or 2 << 20) // 2
+# Outputs of a cache-resident weight come in multiples of this: two tiles of 16 for each thread (the row kernels share
+# tiles between threads two at a time), so every thread gets as many.
+CACHED_STEP = 32 * torch.get_num_threads()
+# Bytes a weight holds per input of one output: bf16; int4 levels with a bf16 scale (and aten's zero) per 32 inputs.
+HELD_PER_WEIGHT = {"dense": 2.0, "int4": 0.5 + 4 / 32}
+
+
+def cached_outputs(shape: tuple[int, int], weights: str) -> int:
+    """Outputs of the cache-resident weight for an [out, in] ``shape`` held as ``weights``: all of them where the
+    weight fits in ``CACHED_BYTES``, else the most in multiples of ``CACHED_STEP`` that fit (at least one step)."""
+    out, inputs = shape
+    per_output = inputs * HELD_PER_WEIGHT["int4" if weights.startswith("int4") else "dense"]
+    if out * per_output <= CACHED_BYTES:
+        return out
+    return max(CACHED_STEP, int(CACHED_BYTES // per_output) // CACHED_STEP * CACHED_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +110,16 @@ def device():
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("weights", ["dense", "dense-mv", "dense-rows", "int4", "int4-aten"])
-def test_linear(benchmark, device, shape, weights):
+@pytest.mark.parametrize("residence", ["memory", "cache"])
+def test_linear(benchmark, device, shape, weights, residence):
     reason = int4.unsupported(device.kind, torch.bfloat16)
     if weights.startswith("int4") and reason:
         pytest.skip(reason)
     if weights == "int4-aten" and device.kind != "cpu":
         pytest.skip("aten's CPU int4 kernel is the cpu's alternative only")
-    packed, dense = packed_weight(*shape)
+    cached = residence == "cache"
+    outputs = cached_outputs(shape, weights) if cached else shape[0]
+    packed, dense = packed_weight(outputs, shape[1])
     x = torch.randn(1, shape[1], dtype=torch.bfloat16, device=device.torch_device)
     w = dense.to(torch.bfloat16).to(device.torch_device)
     if weights == "dense-rows" and (reason := one_row.rows_unsupported([w])):
@@ -103,7 +134,7 @@ def test_linear(benchmark, device, shape, weights):
     layers = [make()] if make else []
     held = sum(t.nbytes for t in layers[0].buffers()) if layers else w.nbytes
     # copies enough to leave the caches behind: each call reads another, as a decode step reads each weight once
-    copies = max(1, min(1024, -(-COLD_BYTES // held)))
+    copies = 1 if cached else max(1, min(1024, -(-COLD_BYTES // held)))
     layers += [make() for _ in range(copies - 1)] if make else []
     weights_held = [w] + [w.clone() for _ in range(copies - 1)] if not layers else []
     turn = iter(range(1 << 62))
@@ -119,8 +150,8 @@ def test_linear(benchmark, device, shape, weights):
         device.sync()
         return y
 
-    benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights],
-                                bytes=held, copies=copies, threads=torch.get_num_threads())  # fmt: skip
+    benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights], bytes=held,
+                                copies=copies, threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
     y = benchmark(call)
     # what the machine's streaming read gave just after (a shared host's moves within minutes): the GB/s beside it
     benchmark.extra_info["read_gb_s"] = hardware.read_now(device)["value"]

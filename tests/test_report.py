@@ -422,6 +422,33 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert pd.isna(table.past_floor_gb_s.iloc[2])  # the floor's own row reads next to nothing: no rate past itself
     assert "| – | 2.000 | 18.9 | 75 % | 0.400 | 23.6 | 10 |" in text  # threads not recorded
     assert "| – | 1.000 | – | – | – | – | 10 |" in text
+    assert set(table.residence) == {"memory"} and set(table.bound) == {"–"}  # a file from before the cache rows
+
+
+def test_bench_table_says_what_bounds_a_kernel(tmp_path):
+    """A kernel slower from its caches than the machine reads is bound by its arithmetic; one faster, by memory."""
+    def bench(weights: str, residence: str, median: float, held: int, read: float | None = None) -> dict:
+        params = {"shape": [1536, 12288], "weights": weights, "residence": residence}
+        info = {"bytes": held, **({"read_gb_s": read} if read else {})}
+        return {"params": params, "stats": {"median": median, "rounds": 10}, "extra_info": info}
+
+    benchmarks = [bench("int4", "memory", 1e-3, 10_000_000, read=30),  # 10 GB/s from memory
+                  bench("int4", "cache", 0.5e-3, 2_000_000, read=30),  # 4 GB/s from L2: below the read of 30
+                  bench("dense", "memory", 2e-3, 40_000_000, read=30),  # 20 GB/s from memory
+                  bench("dense", "cache", 0.04e-3, 2_000_000),  # 50 GB/s from L2: above it
+                  bench("dense-mv", "memory", 2e-3, 40_000_000)]  # no read recorded, no cache row
+    data = {"machine_info": {"cpu": {"brand_raw": "X"}}, "benchmarks": benchmarks}
+    (tmp_path / "int4-linear.json").write_text(json.dumps(data))
+    table = bench_table(tmp_path).set_index(["weights", "residence"])
+    assert table.cache_gb_s[("int4", "memory")] == pytest.approx(4.0)
+    assert table.loc[("int4", "memory"), "bound"] == "arithmetic"
+    assert table.cache_gb_s[("dense", "memory")] == pytest.approx(50.0)
+    assert table.loc[("dense", "memory"), "bound"] == "memory"
+    assert table.loc[("dense-mv", "memory"), "bound"] == "–" and table.loc[("int4", "cache"), "bound"] == "–"
+    assert table.x_dense[("int4", "cache")] == pytest.approx(0.08)  # against the dense row from the same residence
+    text = render.environment().get_template("bench.md.j2").render(bench=bench_table(tmp_path))
+    assert "| 4.0 | arithmetic |" in text and "| 50.0 | memory |" in text
+    assert text.count("| 1536x12288 |") == 3  # the memory rows; the cache ones are their columns
 
 
 # ---------------------------------------------------------------- synthetic evidence ---------------------------------

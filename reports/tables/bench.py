@@ -21,7 +21,12 @@ def bench_table(folder: Path) -> pd.DataFrame:
     it (``of_read``). The same kernel's median on the ``FLOOR`` weight (a call that reads next to nothing) is each row's
     ``floor_s``, and ``past_floor_gb_s`` the bytes over the median less that floor: the rate once a call has started.
     Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
-    (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``)."""
+    (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``).
+
+    Each benchmark is from ``memory`` or from ``cache`` (``residence``; a file without the parameter timed from memory
+    only). A memory row carries the same kernel's GB/s on the same shape from the caches (``cache_gb_s``: what its
+    arithmetic allows) and what bounds it (``bound``): ``arithmetic`` where that is below the streaming read (the kernel
+    cannot read at the machine's rate even with the memory out of the way), else ``memory``; ``–`` without both."""
     rows = []
     for path in sorted(Path(folder).glob("*.json")):
         data = json.loads(path.read_text())
@@ -30,6 +35,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
             params = bench.get("params") or {}
             shape = "x".join(map(str, params.get("shape", ())))
             rounds = bench["stats"].get("data")
+            residence = params.get("residence", "memory")
             info = bench.get("extra_info", {})
             rows.append(
                 {
@@ -38,6 +44,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "device": info.get("device", ""),
                     "linear": shape,
                     "weights": params.get("weights", ""),
+                    "residence": residence,
                     "kernel": info.get("kernel", ""),
                     "threads": info.get("threads", "–"),
                     "median_s": bench["stats"]["median"],
@@ -51,29 +58,43 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "data": rounds,
                 }
             )
-    columns = ["file", "cpu", "device", "linear", "weights", "kernel", "threads", "median_s", "median_ms", "rounds",
-               "bytes", "gb_s", "read_gb_s", "data"]  # fmt: skip
+    columns = ["file", "cpu", "device", "linear", "weights", "residence", "kernel", "threads", "median_s", "median_ms",
+               "rounds", "bytes", "gb_s", "read_gb_s", "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     table["of_read"] = table.gb_s / table.read_gb_s
-    floor = table[table.linear == FLOOR].set_index(["file", "weights"]).median_s
-    table["floor_s"] = [floor.get((r.file, r.weights), float("nan")) for _, r in table.iterrows()]
+    floor = table[table.linear == FLOOR].set_index(["file", "weights", "residence"]).median_s
+    table["floor_s"] = [floor.get((r.file, r.weights, r.residence), float("nan")) for _, r in table.iterrows()]
     past = table.median_s - table.floor_s
     table["past_floor_gb_s"] = (table.bytes / past / 1e9).where((table.linear != FLOOR) & (past > 0))
-    dense = table[table.weights == "dense"].set_index(["file", "linear"])
+    dense = table[table.weights == "dense"].set_index(["file", "linear", "residence"])
     table["x_dense"] = [
-        dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if r.weights != "dense" else None
+        dense.median_s.get((r.file, r.linear, r.residence), float("nan")) / r.median_s if r.weights != "dense" else None
         for _, r in table.iterrows()
     ]
     table["x_dense_shown"] = [_x_dense(r, dense) for _, r in table.iterrows()]
+    cached = table[table.residence == "cache"].set_index(["file", "linear", "weights"]).gb_s
+    table["cache_gb_s"] = [
+        cached.get((r.file, r.linear, r.weights), float("nan")) if r.residence == "memory" else float("nan")
+        for _, r in table.iterrows()
+    ]
+    table["bound"] = [_bound(r.cache_gb_s, r.read_gb_s) for _, r in table.iterrows()]
     return table
 
 
-def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
-    """The dense (``F.linear``) median over this row's (int4, or ``torch.mv``): with its interval from both
-    benchmarks' rounds where both kept them."""
-    if row.weights == "dense" or (row.file, row.linear) not in dense.index:
+def _bound(cache_gb_s: float, read_gb_s: float) -> str:
+    """``arithmetic`` where a kernel's GB/s from the caches is below the machine's streaming read, ``memory`` where
+    it is not, ``–`` without both figures."""
+    if pd.isna(cache_gb_s) or pd.isna(read_gb_s):
         return "–"
-    peer = dense.loc[(row.file, row.linear)]
+    return "arithmetic" if cache_gb_s < read_gb_s else "memory"
+
+
+def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
+    """The dense (``F.linear``) median over this row's (int4, or ``torch.mv``), from the same residence: with its
+    interval from both benchmarks' rounds where both kept them."""
+    if row.weights == "dense" or (row.file, row.linear, row.residence) not in dense.index:
+        return "–"
+    peer = dense.loc[(row.file, row.linear, row.residence)]
     if row.data and peer.data:
         return ratio(peer.data, row.data).text()
     return f"{peer.median_s / row.median_s:.2f}x ({NO_ROUNDS})"
