@@ -12,6 +12,16 @@
 // needed: at each group's end the four partial sums are added and scaled, at the tile's end rounded to bf16 once.
 // Rows of x are taken four at a time over two tiles side by side (16 outputs by K inputs each, at most 56 KiB on
 // E2B's shapes): the first four read them from memory, the rest from the core's cache.
+//
+// On a 2-core KVM Xeon with AMX this product is bound by its arithmetic: from the cores' L2 it reads 31-32 GB/s on
+// both cores (`make bench-int4`, cache rows), below the machine's streaming read (35-37). There `vdpbf16ps zmm`
+// issues once per ~2 core cycles (a float32 FMA twice a cycle; its ymm form issues no faster, for half the products),
+// so the four a chunk are most of its ~14 cycles. Two other designs, timed on one core over one tile's chunks in L2
+// (a microbenchmark, 1536 and 12288 inputs), did no better: levels to float32 by `vpermps` and float32 FMAs (eight a
+// chunk), 9.0-10.0 TSC cycles a chunk against this one's 9.4-9.9; AMX (the unpacked group stored as a 16-row B tile,
+// the row of x a 1-row A tile, `tdpbf16ps`, each group's sums stored and scaled, two blocks of groups in flight)
+// 9.0-10.8: its unpack alone took 4.8-5.1 cycles a chunk and its tile work alone 5.2-5.7, and the two added up rather
+// than overlapped.
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
