@@ -71,11 +71,12 @@ def cache_bytes(level: int | None = None) -> int:
     core reports (sysfs); 0 where it reports none."""
     sizes = [0]
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        if (index / "type").read_text().strip() == "Instruction":
+        facts = {f.name: f.read_text().strip() for f in (index / "type", index / "level", index / "size") if f.exists()}
+        if facts.get("type") == "Instruction" or "size" not in facts:
             continue
-        if level is not None and int((index / "level").read_text()) != level:
+        if level is not None and facts.get("level") != str(level):
             continue
-        text = (index / "size").read_text().strip()
+        text = facts["size"]
         sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
     return max(sizes)
 

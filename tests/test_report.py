@@ -425,6 +425,21 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert set(table.residence) == {"memory"} and set(table.bound) == {"–"}  # a file from before the cache rows
 
 
+def test_bench_cache_rows_fit_the_cores_l2():
+    """``make bench-int4``'s cache-resident weights: at most ``CACHED_BYTES`` held, every output of a shape that fits,
+    else whole steps of tiles for every thread, and never more outputs than the shape has."""
+    from tests.bench_int4 import CACHED_BYTES, CACHED_STEP, HELD_PER_WEIGHT, SHAPES, cached_outputs
+
+    trimmed = 0
+    for out, inputs in SHAPES:
+        for weights, per_weight in (("dense", HELD_PER_WEIGHT["dense"]), ("int4", HELD_PER_WEIGHT["int4"])):
+            outputs = cached_outputs((out, inputs), weights)
+            assert outputs <= out and (outputs == out or outputs % CACHED_STEP == 0)
+            assert outputs * inputs * per_weight <= max(CACHED_BYTES, CACHED_STEP * inputs * per_weight)
+            trimmed += outputs < out
+    assert trimmed  # lm_head at least is cut down to what the caches hold
+
+
 def test_bench_table_says_what_bounds_a_kernel(tmp_path):
     """A kernel slower from its caches than the machine reads is bound by its arithmetic; one faster, by memory."""
     def bench(weights: str, residence: str, median: float, held: int, read: float | None = None) -> dict:
