@@ -9,7 +9,8 @@ Each kernel and shape is timed twice (``residence``): from ``memory`` (copies of
 behind, each call reading another, as a decode step reads each weight once) and from ``cache`` (one weight of the
 shape's inputs and as many of its outputs as ``CACHED_BYTES`` holds, ``cached_outputs``, called over and over: it
 stays in the cores' L2). The second is what the kernel's arithmetic allows with the memory out of the way: where it is
-below the machine's streaming read, the kernel cannot reach the read from memory either, and the report says so.
+below the machine's streaming read, the kernel cannot reach the read from memory either, and the report says so
+(``kernel`` against ``memory``).
 
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark

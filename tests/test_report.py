@@ -441,7 +441,7 @@ def test_bench_cache_rows_fit_the_cores_l2():
 
 
 def test_bench_table_says_what_bounds_a_kernel(tmp_path):
-    """A kernel slower from its caches than the machine reads is bound by its arithmetic; one faster, by memory."""
+    """A kernel slower from its caches than the machine reads is bound by its own work; one faster, by memory."""
     def bench(weights: str, residence: str, median: float, held: int, read: float | None = None) -> dict:
         params = {"shape": [1536, 12288], "weights": weights, "residence": residence}
         info = {"bytes": held, **({"read_gb_s": read} if read else {})}
@@ -456,13 +456,13 @@ def test_bench_table_says_what_bounds_a_kernel(tmp_path):
     (tmp_path / "int4-linear.json").write_text(json.dumps(data))
     table = bench_table(tmp_path).set_index(["weights", "residence"])
     assert table.cache_gb_s[("int4", "memory")] == pytest.approx(4.0)
-    assert table.loc[("int4", "memory"), "bound"] == "arithmetic"
+    assert table.loc[("int4", "memory"), "bound"] == "kernel"
     assert table.cache_gb_s[("dense", "memory")] == pytest.approx(50.0)
     assert table.loc[("dense", "memory"), "bound"] == "memory"
     assert table.loc[("dense-mv", "memory"), "bound"] == "–" and table.loc[("int4", "cache"), "bound"] == "–"
     assert table.x_dense[("int4", "cache")] == pytest.approx(0.08)  # against the dense row from the same residence
     text = render.environment().get_template("bench.md.j2").render(bench=bench_table(tmp_path))
-    assert "| 4.0 | arithmetic |" in text and "| 50.0 | memory |" in text
+    assert "| 4.0 | kernel |" in text and "| 50.0 | memory |" in text
     assert text.count("| 1536x12288 |") == 3  # the memory rows; the cache ones are their columns
 
 

@@ -25,8 +25,9 @@ def bench_table(folder: Path) -> pd.DataFrame:
 
     Each benchmark is from ``memory`` or from ``cache`` (``residence``; a file without the parameter timed from memory
     only). A memory row carries the same kernel's GB/s on the same shape from the caches (``cache_gb_s``: what its
-    arithmetic allows) and what bounds it (``bound``): ``arithmetic`` where that is below the streaming read (the kernel
-    cannot read at the machine's rate even with the memory out of the way), else ``memory``; ``–`` without both."""
+    arithmetic allows) and what bounds it (``bound``): ``kernel`` where that is below the streaming read (its own work,
+    arithmetic or calls, cannot go at the machine's read rate even with the memory out of the way), else ``memory``;
+    ``–`` without both."""
     rows = []
     for path in sorted(Path(folder).glob("*.json")):
         data = json.loads(path.read_text())
@@ -82,11 +83,11 @@ def bench_table(folder: Path) -> pd.DataFrame:
 
 
 def _bound(cache_gb_s: float, read_gb_s: float) -> str:
-    """``arithmetic`` where a kernel's GB/s from the caches is below the machine's streaming read, ``memory`` where
+    """``kernel`` where a kernel's GB/s from the caches is below the machine's streaming read, ``memory`` where
     it is not, ``–`` without both figures."""
     if pd.isna(cache_gb_s) or pd.isna(read_gb_s):
         return "–"
-    return "arithmetic" if cache_gb_s < read_gb_s else "memory"
+    return "kernel" if cache_gb_s < read_gb_s else "memory"
 
 
 def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
