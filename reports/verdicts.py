@@ -24,6 +24,9 @@ And for a decode-rate cell (experiment ``decode`` or ``default``):
 A note, not a rule: where the machine's streaming read before or after a cell (``hardware.bandwidth_at_cell``) lies
 more than ``BANDWIDTH_MOVED`` from the sweep's figure that its roofline divides by, the note gives the three figures: on
 a shared host the bandwidth moves, and a cell's roofline share and its ratio to cells run at another time move with it.
+Another: where the sweep's read was taken while other processes kept the cores busy (``hardware.bandwidth_measurement.
+contention``, ``decodebench.hardware.uncontended_read``: it is taken again first, a few times), the note says how busy:
+that figure may understate the machine's read, and every roofline share of the sweep overstate.
 
 Headline tables pool only VALID cells (``reports.tables.decode``).
 """
@@ -85,7 +88,8 @@ def _judge(cell: pd.Series, record: dict[str, Any], checked: pd.DataFrame) -> Ve
     if cell.experiment == "parity" and cell.parity_verdict == "fail":  # a parity check that failed is no pass
         findings.append((f"parity failed ({cell.parity_bounds})", None))
     if cell.experiment in DECODE_EXPERIMENTS:
-        findings += [_parity(cell, checked), _ceiling(cell, record.get("model") or {}), _bandwidth_moved(cell)]
+        findings += [_parity(cell, checked), _ceiling(cell, record.get("model") or {}), _bandwidth_moved(cell),
+                     _sweep_read_contended(cell)]
     broken = tuple(b for b, _ in findings if b)
     return Verdict(cell.file, INVALID if broken else VALID, broken, tuple(n for _, n in findings if n))
 
@@ -159,6 +163,18 @@ def _bandwidth_moved(cell: pd.Series) -> Finding:
     return None, (f"the machine's read bandwidth moved: {reads['before']:.3g} GB/s before this cell and "
                   f"{reads['after']:.3g} after, the sweep's figure {sweep:.3g} (its roofline share and ratios to "
                   "cells of other times move with it)")  # fmt: skip
+
+
+def _sweep_read_contended(cell: pd.Series) -> Finding:
+    """The note on a cell whose sweep's read, its roofline's denominator, was taken while other processes kept more
+    than the threshold of cores busy."""
+    contention = cell.get("bandwidth_contention")
+    if not isinstance(contention, dict) or not contention.get("contended"):
+        return None, None
+    busy, threshold = contention["other_cores"], contention["threshold_cores"]
+    return None, (f"the sweep's read ({cell.bandwidth_gb_s:.3g} GB/s) was taken while other processes kept {busy:.2f} "
+                  f"cores busy on average (threshold {threshold:.2f}): it may understate the machine's read, and the "
+                  "roofline share overstate")  # fmt: skip
 
 
 def table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:

@@ -72,7 +72,34 @@ def test_bandwidth_is_measured_once_per_host_and_sweep(tmp_path):
     again = hardware.bandwidth(device, tmp_path, "s1")
     assert again["value"] == first["value"] and again["file"] == first["file"]
     assert len(first["samples"]) == hardware.BANDWIDTH_COPIES and first["value"] == max(first["samples"])
+    assert isinstance(first["contention"]["contended"], bool) and isinstance(first["contended_tries"], list)
     assert hardware.bandwidth(device, tmp_path, "s2")["file"] != first["file"]
+
+
+# (contended per try, read kept GB/s, tries listed, the kept one contended): quiet at once, at the third, never
+BUSY_TRIES = [((False,), 10.0, 0, False), ((True, True, False), 30.0, 2, False), ((True,) * 4, 30.0, 2, True)]
+
+
+@pytest.mark.parametrize(("busy", "kept", "tries", "still_busy"), BUSY_TRIES)
+def test_a_sweep_read_taken_while_the_machine_was_busy_is_taken_again(monkeypatch, busy, kept, tries, still_busy):
+    """The sweep's read is measured again while other processes kept the cores busy, BANDWIDTH_TRIES times at most; the
+    last try is kept with its contention, the ones before it listed with theirs."""
+    from decodebench import hardware
+
+    reads, watched = iter([10.0, 20.0, 30.0, 40.0]), iter(busy)
+
+    class Watch:
+        def measure(self) -> dict:
+            return {"contended": next(watched), "other_cores": 1.0}
+
+    monkeypatch.setattr(hardware, "Contention", Watch)
+    monkeypatch.setattr(hardware, "measure_bandwidth", lambda device, repeats: {"value": next(reads)})
+    monkeypatch.setattr(hardware, "BANDWIDTH_PAUSE_S", 0.0)
+    read = hardware.uncontended_read(resolve_device("cpu"))
+    assert read["value"] == kept and len(read["contended_tries"]) == tries
+    assert [t["value"] for t in read["contended_tries"]] == [10.0, 20.0][:tries]
+    assert all(t["contention"]["contended"] for t in read["contended_tries"])
+    assert read["contention"]["contended"] is still_busy
 
 
 def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_path):

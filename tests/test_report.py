@@ -504,6 +504,7 @@ def cell_record(
     recall: list | None = None,
     batch: int | None = None,
     around: tuple[float, float] | None = None,
+    sweep_read_contention: dict | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
@@ -538,6 +539,8 @@ def cell_record(
                 "price_usd_per_hour": price}  # fmt: skip
     if around is not None:  # the machine's read before and after the cell (runner.measure)
         hardware["bandwidth_at_cell"] = {"before": {"value": around[0]}, "after": {"value": around[1]}, "unit": "GB/s"}
+    if sweep_read_contention is not None:  # what else ran while the sweep's read was taken (hardware.uncontended_read)
+        hardware["bandwidth_measurement"] = {"value": bandwidth, "contention": sweep_read_contention}
     name = "-".join(str(p) for p in (engine, experiment, dtype, *sorted((settings or {}).items()), replica) if p)
     record = evidence.Record(
         cell=name.replace(" ", "").replace("'", "").replace(",", "=").replace("(", "").replace(")", ""),
@@ -600,6 +603,21 @@ def test_a_cell_whose_read_bandwidth_moved_from_the_sweeps_is_noted_with_the_fig
     decode = by_engine(judged(tmp_path)[1])["ring-decode-bfloat16"]
     assert decode.valid, decode.text()
     assert [n for n in decode.notes if n.startswith("the machine's read bandwidth moved")] == ([note] if note else [])
+
+
+@pytest.mark.parametrize("contended", [False, True])
+def test_a_sweep_read_taken_while_the_machine_was_busy_is_noted(tmp_path, contended):
+    """A sweep's read with other processes busy beside it (every try of it) gets a note on each decode cell, which
+    stays VALID (its roofline share may read high, its rate is its own); a quiet read gets none."""
+    busy = {"contended": contended, "other_cores": 0.9 if contended else 0.1, "threshold_cores": 0.25}
+    write(tmp_path, cell_record("ring", experiment="parity"), cell_record("ring", sweep_read_contention=busy))
+    decode = by_engine(judged(tmp_path)[1])["ring-decode-bfloat16"]
+    assert decode.valid, decode.text()
+    notes = [n for n in decode.notes if n.startswith("the sweep's read")]
+    assert notes == ([
+        "the sweep's read (100 GB/s) was taken while other processes kept 0.90 cores busy on average (threshold "
+        "0.25): it may understate the machine's read, and the roofline share overstate"
+    ] if contended else [])
 
 
 def test_each_rule_gives_its_verdict_and_names_its_figure(tmp_path):
