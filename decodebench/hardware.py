@@ -10,6 +10,7 @@ here (``measure_matmul``), the compute ceiling a batched step's products are hel
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -27,10 +28,12 @@ from decodebench.environment import Contention
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 KNOWN_GPUS = {"H200": "nvidia-h200"}
 BANDWIDTH_COPIES = 10
-# A sweep's read taken while other processes kept the cores busy (``Contention``) is taken again, this many times at
-# most, this far apart: every cell of the sweep divides by it. Sweep xeon-e2b-1206d (2-core Xeon) read 23.2 GB/s while
-# a report's tables were computed beside its first cell; the reads around its cells gave 33-38.
-BANDWIDTH_TRIES = 3
+# A sweep's read taken while other processes kept the cores busy (``Contention``) is taken again, up to READ_TRIES
+# times in all (environment variable, default 3; 1: never again), BANDWIDTH_PAUSE_S apart: every cell of the sweep
+# divides by it. Sweep xeon-e2b-1206d (2-core Xeon) read 23.2 GB/s while a report's tables were computed beside its
+# first cell; the reads around its cells gave 33-38. The tests set 1: under pytest-xdist the other worker always keeps a
+# core busy, and waiting for it added six minutes to `make test`.
+READ_TRIES = "DECODEBENCH_READ_TRIES"
 BANDWIDTH_PAUSE_S = 10.0
 CELL_READS = 3  # streaming reads before and after each cell (best of): is the machine's bandwidth still the sweep's?
 
@@ -75,17 +78,26 @@ def bandwidth(device: Device, cache_dir: str | Path, sweep: str) -> dict[str, An
     return {**measured, "file": str(path)}
 
 
+def read_tries() -> int:
+    """How many times in all a contended sweep read is taken (``READ_TRIES`` in the environment, default 3)."""
+    text = os.environ.get(READ_TRIES, "3")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{READ_TRIES}={text!r}: the times a contended sweep read is taken, a whole number, 1 or more")
+    return int(text)
+
+
 def uncontended_read(device: Device) -> dict[str, Any]:
     """``measure_bandwidth`` (best of ``BANDWIDTH_COPIES``) with what else used the machine meanwhile
-    (``contention``): taken again, ``BANDWIDTH_PAUSE_S`` later, while other processes kept the cores busy, at most
-    ``BANDWIDTH_TRIES`` times. The last try is kept (``contention.contended`` says whether even it was contended), the
-    ones before it listed with their read and contention (``contended_tries``)."""
+    (``contention``): taken again, ``BANDWIDTH_PAUSE_S`` later, while other processes kept the cores busy, up to
+    ``read_tries()`` times in all. The last try is kept (``contention.contended`` says whether even it was contended),
+    the ones before it listed with their read and contention (``contended_tries``)."""
     tries: list[dict[str, Any]] = []
+    most = read_tries()
     while True:
         watch = Contention()
         read = measure_bandwidth(device, repeats=BANDWIDTH_COPIES)
         read["contention"] = watch.measure()
-        if not read["contention"]["contended"] or len(tries) + 1 >= BANDWIDTH_TRIES:
+        if not read["contention"]["contended"] or len(tries) + 1 >= most:
             return {**read, "contended_tries": tries}
         tries.append({"value": read["value"], "contention": read["contention"]})
         time.sleep(BANDWIDTH_PAUSE_S)

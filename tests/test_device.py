@@ -82,8 +82,8 @@ BUSY_TRIES = [((False,), 10.0, 0, False), ((True, True, False), 30.0, 2, False),
 
 @pytest.mark.parametrize(("busy", "kept", "tries", "still_busy"), BUSY_TRIES)
 def test_a_sweep_read_taken_while_the_machine_was_busy_is_taken_again(monkeypatch, busy, kept, tries, still_busy):
-    """The sweep's read is measured again while other processes kept the cores busy, BANDWIDTH_TRIES times at most; the
-    last try is kept with its contention, the ones before it listed with theirs."""
+    """The sweep's read is measured again while other processes kept the cores busy, three times in all by default;
+    the last try is kept with its contention, the ones before it listed with theirs."""
     from decodebench import hardware
 
     reads, watched = iter([10.0, 20.0, 30.0, 40.0]), iter(busy)
@@ -95,11 +95,21 @@ def test_a_sweep_read_taken_while_the_machine_was_busy_is_taken_again(monkeypatc
     monkeypatch.setattr(hardware, "Contention", Watch)
     monkeypatch.setattr(hardware, "measure_bandwidth", lambda device, repeats: {"value": next(reads)})
     monkeypatch.setattr(hardware, "BANDWIDTH_PAUSE_S", 0.0)
+    monkeypatch.delenv(hardware.READ_TRIES, raising=False)  # the default (the tests' conftest sets 1)
     read = hardware.uncontended_read(resolve_device("cpu"))
     assert read["value"] == kept and len(read["contended_tries"]) == tries
     assert [t["value"] for t in read["contended_tries"]] == [10.0, 20.0][:tries]
     assert all(t["contention"]["contended"] for t in read["contended_tries"])
     assert read["contention"]["contended"] is still_busy
+
+
+@pytest.mark.parametrize("tries", ["0", "two", "-1", ""])
+def test_a_read_tries_setting_that_is_no_count_is_refused_by_name(monkeypatch, tries):
+    from decodebench import hardware
+
+    monkeypatch.setenv(hardware.READ_TRIES, tries)
+    with pytest.raises(ValueError, match=f"DECODEBENCH_READ_TRIES={tries!r}: the times a contended sweep read"):
+        hardware.uncontended_read(resolve_device("cpu"))
 
 
 def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_path):

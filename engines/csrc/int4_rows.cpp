@@ -20,7 +20,7 @@
 // (a microbenchmark, 1536 and 12288 inputs), did no better: levels to float32 by `vpermps` and float32 FMAs (eight a
 // chunk), 9.0-10.0 TSC cycles a chunk against this one's 9.4-9.9; AMX (the unpacked group stored as a 16-row B tile,
 // the row of x a 1-row A tile, `tdpbf16ps`, each group's sums stored and scaled, two blocks of groups in flight)
-// 9.0-10.8: its unpack alone took 4.8-5.1 cycles a chunk and its tile work alone 5.2-5.7, and the two added up rather
+// 9.0-10.8: its unpack alone took 4.8-5.2 cycles a chunk and its tile work alone 5.2-5.7, and the two added up rather
 // than overlapped.
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
