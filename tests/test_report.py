@@ -460,7 +460,8 @@ def test_bench_table_says_what_bounds_a_kernel(tmp_path):
     assert table.cache_gb_s[("dense", "memory")] == pytest.approx(50.0)
     assert table.loc[("dense", "memory"), "bound"] == "memory"
     assert table.loc[("dense-mv", "memory"), "bound"] == "–" and table.loc[("int4", "cache"), "bound"] == "–"
-    assert table.x_dense[("int4", "cache")] == pytest.approx(0.08)  # against the dense row from the same residence
+    assert table.x_dense[("int4", "memory")] == pytest.approx(2.0)  # both from memory: the shape's whole weight
+    assert pd.isna(table.x_dense[("int4", "cache")])  # a cache row holds another weight per kind: no ratio
     text = render.environment().get_template("bench.md.j2").render(bench=bench_table(tmp_path))
     assert "| 4.0 | kernel |" in text and "| 50.0 | memory |" in text
     assert text.count("| 1536x12288 |") == 3  # the memory rows; the cache ones are their columns

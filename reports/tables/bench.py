@@ -21,7 +21,8 @@ def bench_table(folder: Path) -> pd.DataFrame:
     it (``of_read``). The same kernel's median on the ``FLOOR`` weight (a call that reads next to nothing) is each row's
     ``floor_s``, and ``past_floor_gb_s`` the bytes over the median less that floor: the rate once a call has started.
     Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
-    (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``).
+    (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``). Only
+    memory rows get the ratio: a cache row holds as many outputs as fit its kind's bytes, a different weight per kind.
 
     Each benchmark is from ``memory`` or from ``cache`` (``residence``; a file without the parameter timed from memory
     only). A memory row carries the same kernel's GB/s on the same shape from the caches (``cache_gb_s``: what its
@@ -67,9 +68,10 @@ def bench_table(folder: Path) -> pd.DataFrame:
     table["floor_s"] = [floor.get((r.file, r.weights, r.residence), float("nan")) for _, r in table.iterrows()]
     past = table.median_s - table.floor_s
     table["past_floor_gb_s"] = (table.bytes / past / 1e9).where((table.linear != FLOOR) & (past > 0))
-    dense = table[table.weights == "dense"].set_index(["file", "linear", "residence"])
+    # memory rows only: a cache row holds as many outputs as fit its kind's bytes, so the kinds time different weights
+    dense = table[(table.weights == "dense") & (table.residence == "memory")].set_index(["file", "linear"])
     table["x_dense"] = [
-        dense.median_s.get((r.file, r.linear, r.residence), float("nan")) / r.median_s if r.weights != "dense" else None
+        dense.median_s.get((r.file, r.linear), float("nan")) / r.median_s if _compared(r) else None
         for _, r in table.iterrows()
     ]
     table["x_dense_shown"] = [_x_dense(r, dense) for _, r in table.iterrows()]
@@ -90,12 +92,17 @@ def _bound(cache_gb_s: float, read_gb_s: float) -> str:
     return "kernel" if cache_gb_s < read_gb_s else "memory"
 
 
+def _compared(row: pd.Series) -> bool:
+    """Whether a row gets an x dense: a kernel other than ``F.linear``, timed from memory on the whole weight."""
+    return row.weights != "dense" and row.residence == "memory"
+
+
 def _x_dense(row: pd.Series, dense: pd.DataFrame) -> str:
-    """The dense (``F.linear``) median over this row's (int4, or ``torch.mv``), from the same residence: with its
-    interval from both benchmarks' rounds where both kept them."""
-    if row.weights == "dense" or (row.file, row.linear, row.residence) not in dense.index:
+    """The dense (``F.linear``) median over this row's (int4, or ``torch.mv``), both from memory: with its interval
+    from both benchmarks' rounds where both kept them."""
+    if not _compared(row) or (row.file, row.linear) not in dense.index:
         return "–"
-    peer = dense.loc[(row.file, row.linear, row.residence)]
+    peer = dense.loc[(row.file, row.linear)]
     if row.data and peer.data:
         return ratio(peer.data, row.data).text()
     return f"{peer.median_s / row.median_s:.2f}x ({NO_ROUNDS})"
