@@ -79,7 +79,7 @@ def built() -> bool:
 
 def missing() -> str | None:
     """Why no kernel of the library runs here (each kernel's own ``unsupported`` adds its rules), or None."""
-    return None if built() else "it was not built here, or this CPU lacks AVX-512 BF16"
+    return None if built() else "it was not built here, or this CPU lacks AVX-512 BF16 or VNNI"
 
 
 def threads() -> int | None:

@@ -57,7 +57,7 @@ DB_TARGET void tile_rows(const c10::BFloat16* w, int64_t tile_words, const c10::
 }
 
 at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(cpu_has_kernels(), "decodebench_bf16::bf16_rows needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_bf16::bf16_rows needs ", kInstructionSets, "; this CPU lacks one");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16, got ", x.sizes(), " ",
               x.scalar_type());
   const int64_t in = x.size(1), tiles = (out_features + kTile - 1) / kTile;

@@ -137,7 +137,7 @@ constexpr int64_t kMinPart = 64;  // slots a part holds at the least (a thread's
 
 at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep,
                      double scale) {
-  TORCH_CHECK(cpu_has_kernels(), "decodebench_attn::one_query needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_attn::one_query needs ", kInstructionSets, "; this CPU lacks one");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q [B, KV, rows, D], k and v [B, KV, slots, D]");
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(3) == 1, "q, k and v: bfloat16, last dim contiguous");

@@ -100,7 +100,7 @@ at::Tensor each_row(const at::Tensor& rows, Fn&& fn) {
 }
 
 at::Tensor rms(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms needs ", kInstructionSets, "; this CPU lacks one");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1, "x: bfloat16 [..., n]");
   const int64_t n = x.size(-1);
   at::Tensor held;
@@ -115,7 +115,7 @@ at::Tensor rms(const at::Tensor& x, const std::optional<at::Tensor>& weight, dou
 // n] bf16, as Transformers' rotary embedding gives them unsqueezed at the heads).
 at::Tensor rms_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, const at::Tensor& cos,
                     const at::Tensor& sin) {
-  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms_rope needs AVX-512 F, BW, VL and BF16; this CPU lacks one");
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::rms_rope needs ", kInstructionSets, "; this CPU lacks one");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4 && x.size(3) % 2 == 0,
               "x: bfloat16 [batch, seq, heads, n], n even; got ", x.sizes());
   const int64_t batch = x.size(0), seq = x.size(1), heads = x.size(2), n = x.size(3);

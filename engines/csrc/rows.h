@@ -61,12 +61,16 @@ inline void prefetch(const void* p) {
   }
 }
 
-#define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// The instruction sets the kernels are compiled for (every CPU with AVX-512 BF16 so far also has VNNI, which the int4
+// product's integer dot products need), and the check that this CPU has them.
+#define DB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+constexpr const char* kInstructionSets = "AVX-512 F, BW, VL, BF16 and VNNI";
 
 inline bool cpu_has_kernels() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 
 // x[0] and x[1] in each of the 16 lanes.
