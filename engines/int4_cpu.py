@@ -1,16 +1,17 @@
-"""The project's own int4 product for a CPU with AVX-512 BF16: ``decodebench_int4::int4_rows`` (``csrc/int4_rows.cpp``,
-built with ``engines.cpu_kernels``).
+"""The project's own int4 product for a CPU with AVX-512 BF16 and VNNI: ``decodebench_int4::int4_rows``
+(``csrc/int4_rows.cpp``, built with ``engines.cpu_kernels``).
 
 A decode step multiplies one row (or a batch's few) by every weight, so its speed is the rate at which the
-weights are read. ``aten._weight_int4pack_mm_for_cpu`` read the 4-bit levels of a one-row product at 17.9 GB/s
-against 26.6 for ``torch.mv`` on the bf16 weight on a 2-core Xeon, and needs float16 scales split into two bf16 parts
-(two calls); this operator reads each packed byte once, front to back, the scales as stored, and turns levels into
-bf16 by a table lookup in registers. On a 2-core AMD EPYC (Zen 5), both cores sharing the tiles, ``make
-bench-int4``'s medians over cold copies put one row at 14-53 GB/s of the held weight shape by shape (46-50 on the
-MLP shapes, 53 on lm_head) against aten's 12-45: ahead on every shape, and below the 67-73 GB/s the bf16 kernel
-reads on the same shapes, so at one row the level lookups, not memory, set its rate. Eight rows of an MLP shape
-from the caches run at 0.85-0.91 TFLOP/s, 64 rows at 0.97-0.98 (oneDNN's bf16 GEMM: 0.85-0.92 at 64). Every figure
-measured before the library was built with OpenMP (``engines.cpu_kernels``) was one core's.
+weights are read. This operator reads each packed byte once, front to back, the scales as stored, and multiplies in
+integers: each row of x is written once a call in fixed point, block by block (22 bits below its block's largest
+input: exact for the inputs within 2^13 of it, the rest rounded at 2^-21 of it), the 4-bit levels multiply its bytes
+by ``vpdpbusd``, and the sums are scaled in float32 and rounded to bf16 once. Its first form (levels to bf16 by a table
+lookup, ``vdpbf16ps``) was bound by that arithmetic on both CPUs it was timed on: on a 2-core AMD EPYC (Zen 5) one
+row read 14-53 GB/s of the held weight shape by shape (``make bench-int4``, cold copies), below the 67-73 the bf16
+kernel reads there; on the 2-core Xeon with AMX 31-32 GB/s from the cores' L2, below a 35-37 GB/s streaming read
+(``csrc/int4_rows.cpp`` has the cycles and this form's figures). aten's ``_weight_int4pack_mm_for_cpu`` read
+17.9 GB/s on that Xeon's ``lm_head`` against 26.6 for ``torch.mv`` on the bf16 weight, and needs float16 scales split
+into two bf16 parts (two calls).
 
 ``pack`` lays a W4A16 weight out for it once, at load: tiles of 16 outputs, each 8 inputs of a tile in 64 bytes
 (the layout is described in the C++ file), the checkpoint's scales kept in their own dtype, tile by tile. ``rows``

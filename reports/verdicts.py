@@ -43,8 +43,10 @@ from decodebench.evidence import DECODE_EXPERIMENTS
 from reports.arithmetic import token_bytes
 
 VALID, INVALID, FAILED, SKIPPED = "VALID", "INVALID", "FAILED", "SKIPPED"
-NO_PARITY = "no parity check for this engine, checkpoint, dtype and settings"
-PARITY_KEY = ["engine", "engine_config", "checkpoint", "dtype"]  # what a parity cell must share with a decode cell
+NO_PARITY = "no parity check for this engine, checkpoint, dtype, settings and CPU kernels"
+# What a parity cell must share with a decode cell: the way, checkpoint and dtype, and the project's CPU kernels'
+# sources where they ran (None where they did not, or in evidence written before the digest was recorded).
+PARITY_KEY = ["engine", "engine_config", "checkpoint", "dtype", "cpu_kernel_source"]
 UNTIMED = "not timed"  # what an experiment that times nothing records as its timers (parity, diagnose)
 BANDWIDTH_MOVED = 0.2  # a cell's read this far from the sweep's figure (either way) gets a note
 Finding = tuple[str | None, str | None]  # a rule's outcome: (what breaks it, with its figure; a note), either None
@@ -115,10 +117,11 @@ def _contention(block: Any) -> Finding:
 
 def _parity(cell: pd.Series, checked: pd.DataFrame) -> Finding:
     """Rule (c): a note naming the passing parity check (the same sweep's first); broken when none passed,
-    naming a check of the same engine, settings, checkpoint and dtype that failed."""
+    naming a check of the same engine, settings, checkpoint, dtype and CPU kernels that failed."""
     matching = checked
     for column in PARITY_KEY:
-        matching = matching[matching[column] == cell[column]]
+        value = cell.get(column)
+        matching = matching[matching[column].isna() if pd.isna(value) else matching[column] == value]
     same = matching[matching.parity_verdict == "pass"]
     if same.empty:
         failed = matching.sort_values("file")

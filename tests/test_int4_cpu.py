@@ -34,8 +34,9 @@ def fixed_point_loss(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch
     return half_step @ weight.double().abs().T
 
 
-def assert_held_to_reference(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: int | None = None
-                             ) -> None:
+def assert_held_to_reference(
+    got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: int | None = None
+) -> None:
     """``got`` [rows, out] (bf16, from a kernel) against x @ weight.T in float64 (``weight`` the exact weight; ``group``
     the inputs a scale of an int4 weight, whose kernel holds x in fixed point; None: a kernel that reads x as it is)."""
     reference = x.double() @ weight.double().T
@@ -50,8 +51,9 @@ def assert_held_to_reference(got: torch.Tensor, x: torch.Tensor, weight: torch.T
     assert (got == rounded).double().mean() > 0.99, "most outputs are the float64 value rounded to bf16 once"
 
 
-def random_weight(out: int, inputs: int, group: int, scale_dtype: torch.dtype, generator: torch.Generator,
-                  scale_power: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_weight(
+    out: int, inputs: int, group: int, scale_dtype: torch.dtype, generator: torch.Generator, scale_power: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random int4 weight packed for the kernel (words, scales: 2^``scale_power`` times 0.001 to 0.021) and
     exactly, in float64 [out, inputs]."""
     levels = torch.randint(-8, 8, (out, inputs), generator=generator, dtype=torch.int8)
@@ -60,13 +62,23 @@ def random_weight(out: int, inputs: int, group: int, scale_dtype: torch.dtype, g
     return words, scales, (levels.double().view(out, -1, group) * scale.double()[..., None]).view(out, inputs)
 
 
-def held_to_reference(out: int, inputs: int, group: int, scale_dtype: torch.dtype, rows: int, seed: int = 0,
-                      spread: float = 0.0, power: int = 0, scale_power: int = 0) -> None:
+def held_to_reference(
+    out: int,
+    inputs: int,
+    group: int,
+    scale_dtype: torch.dtype,
+    rows: int,
+    seed: int = 0,
+    spread: float = 0.0,
+    power: int = 0,
+    scale_power: int = 0,
+) -> None:
     """A random weight and ``rows`` rows of x, each input times 2^``power`` and 2 to a uniform power in [-spread, 0]."""
     generator = torch.Generator().manual_seed(seed)
     words, scales, weight = random_weight(out, inputs, group, scale_dtype, generator, scale_power)
-    x = torch.randn(rows, inputs, generator=generator) * torch.exp2(power - spread * torch.rand(rows, inputs,
-                                                                                                generator=generator))
+    x = torch.randn(rows, inputs, generator=generator) * torch.exp2(
+        power - spread * torch.rand(rows, inputs, generator=generator)
+    )
     x = x.to(torch.bfloat16)
     assert_held_to_reference(int4_cpu.rows(x, words, scales, group, out), x, weight, group)
 

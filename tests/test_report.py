@@ -506,10 +506,12 @@ def cell_record(
     batch: int | None = None,
     around: tuple[float, float] | None = None,
     sweep_read_contention: dict | None = None,
+    cpu_kernels: str | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
-    (``replica``, ``fingerprint``, ``checks``, ``contention``); a parity cell passes with ``verdict``."""
+    (``replica``, ``fingerprint``, ``checks``, ``contention``, ``cpu_kernels``: the digest of the project's CPU
+    kernels' sources); a parity cell passes with ``verdict``."""
     parity = experiment == "parity"
     experiment_cfg = {"name": experiment, **({"batch": batch} if batch is not None else {})}
     if parity:
@@ -558,6 +560,7 @@ def cell_record(
         timers={"parity": "not timed"}
         if parity
         else {"decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair"},
+        engine={} if cpu_kernels is None else {"cpu_kernel_source": cpu_kernels},
     ).to_json()
     evidence.validate(record)
     return record
@@ -619,6 +622,17 @@ def test_a_sweep_read_taken_while_the_machine_was_busy_is_noted(tmp_path, conten
         "the sweep's read (100 GB/s) was taken while other processes kept 0.90 cores busy on average (threshold "
         "0.25): it may understate the machine's read, and the roofline share overstate"
     ] if contended else [])
+
+
+def test_a_parity_check_of_other_kernels_vouches_for_no_decode_cell(tmp_path):
+    """The project's CPU kernels changed between the parity check and the decode cell (their sources' digest): the
+    check says nothing of the new kernels' tokens, so the cell has no parity until a check of the same kernels runs."""
+    write(tmp_path, cell_record("ring", experiment="parity", sweep="before", cpu_kernels="k1"),
+          cell_record("ring", sweep="after", cpu_kernels="k2"))  # fmt: skip
+    assert by_engine(judged(tmp_path)[1])["ring-decode-bfloat16"].text() == f"INVALID: {verdicts.NO_PARITY}"
+    write(tmp_path, cell_record("ring", experiment="parity", sweep="later", cpu_kernels="k2"))
+    decode = by_engine(judged(tmp_path)[1])["ring-decode-bfloat16"]
+    assert decode.valid and "parity passed in sweep later" in decode.notes[0]
 
 
 def test_each_rule_gives_its_verdict_and_names_its_figure(tmp_path):
