@@ -10,9 +10,9 @@
 // checkpoint's group, or the largest part of it of a multiple of 8 inputs and at most 64): the block's inputs times
 // 2^(20 - E), E the exponent of its largest (-127 where that is subnormal or zero), rounded to an integer of 22 bits
 // with its sign, held as three 7-bit limbs (the top one signed). An input within 2^13 of its block's largest keeps
-// every bit; a smaller one is rounded at 2^-21 of that largest (the bf16 output is rounded at 2^-9 of itself). Dword lane o of a chunk's 64 bytes holds
-// in its bytes' low nibbles the levels + 8 of output o's inputs 0, 4, 1, 5 and in their high nibbles those of inputs
-// 2, 6, 3, 7: a mask and a shift give two vectors of 16 x 4 unsigned bytes, and vpdpbusd multiplies each by the
+// every bit; a smaller one is rounded at 2^-21 of that largest (the bf16 output is rounded at 2^-9 of itself).
+// Dword lane o of a chunk's 64 bytes holds in its bytes' low nibbles the levels + 8 of output o's inputs 0, 4, 1, 5
+// and in their high nibbles those of inputs 2, 6, 3, 7: a mask and a shift give two vectors of 16 x 4 unsigned bytes, and vpdpbusd multiplies each by the
 // four matching bytes of a limb broadcast to every lane, adding the four products to the lane's int32 sum. At a
 // block's end the limbs' sums are put together (the +8 taken off by the block's input sum), exactly in int32, turned
 // to float32 times 2^(E - 20); at a group's end the group's sum is scaled; at the tile's end rounded to bf16 once.
@@ -74,7 +74,8 @@ struct FixedRows {
   const float* units_of(int64_t r) const { return units.data() + r * blocks; }
 };
 
-// Lane p of 16 fixed-point inputs (two chunks) takes input kBytes[p]: the order of a limb's bytes.
+// 16 fixed-point inputs (two chunks) in the order of a limb's bytes: lane p of a chunk takes its input
+// 0, 4, 1, 5, 2, 6, 3, 7 (p = 0..7).
 DB_TARGET inline __m512i byte_order(__m512i fixed) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), fixed);
 }
@@ -124,7 +125,8 @@ DB_TARGET void to_fixed(const at::Tensor& x, int64_t block, FixedRows& f) {
       const __m512 rest = _mm512_set1_ps(power_of_two(kFraction - exponent - (kFraction - exponent) / 2));
       __m512i sum = _mm512_setzero_si512();
       for (int64_t i = 0; i < block; i += kTile) {
-        const __m512i fixed = byte_order(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(widen(v + i, block - i), half_way), rest)));
+        const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(widen(v + i, block - i), half_way), rest);
+        const __m512i fixed = byte_order(_mm512_cvtps_epi32(scaled));
         sum = _mm512_add_epi32(sum, fixed);
         const int64_t chunks = std::min<int64_t>(2, (block - i) / kChunk);
         int8_t* to = f.limbs.data() + ((r * f.chunks + (b * block + i) / kChunk) * kLimbs) * kChunk;
