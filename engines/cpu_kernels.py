@@ -44,12 +44,19 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.cache
 def built() -> bool:
     """Builds (once per source and torch version; a no-op after) and loads the library; True when this CPU runs
     it, False when it cannot be built here (a warning says why) or this CPU cannot run it."""
+    return loaded_digest() is not None
+
+
+@functools.cache
+def loaded_digest() -> str | None:
+    """``source_digest`` of the sources this process built and loaded the library from (taken just before: a source
+    edited later in the run is not what ran), or None where it was not built or this CPU cannot run it."""
     from torch.utils import cpp_extension
 
+    digest = source_digest()
     BUILD.mkdir(parents=True, exist_ok=True)
     venv_bin = str(Path(sys.executable).parent)  # the ninja the project installs (pyproject), which the loader runs
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
@@ -59,8 +66,8 @@ def built() -> bool:
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)],
                            build_directory=str(BUILD), is_python_module=False, verbose=False)  # fmt: skip
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        warnings.warn(f"the project's CPU kernels could not be built here, aten's run instead: {exc}", stacklevel=2)
-        return False
+        warnings.warn(f"the project's CPU kernels could not be built here, aten's run instead: {exc}", stacklevel=3)
+        return None
 
     @torch.library.register_fake("decodebench_int4::int4_rows")
     def _(x, words, scales, group, out_features):  # its output's shape, for a compiled step that traces it
@@ -74,7 +81,7 @@ def built() -> bool:
     def _(q, k, v, keep, scale):
         return q.new_empty(*q.shape[:3], v.shape[3])
 
-    return bool(torch.ops.decodebench_int4.supported())
+    return digest if torch.ops.decodebench_int4.supported() else None
 
 
 def missing() -> str | None:
@@ -105,7 +112,7 @@ def facts(model: nn.Module) -> dict[str, int | str | None]:
     return {
         "cpu_kernel_threads": threads() if used else None,
         "cpu_kernel_prefetch": prefetch_hint() if used else None,
-        "cpu_kernel_source": source_digest() if used else None,
+        "cpu_kernel_source": loaded_digest() if used else None,
     }
 
 

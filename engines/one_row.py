@@ -139,7 +139,7 @@ def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cac
     counts = Counter((tuple(w.shape), str(w.dtype)) for w in weights)
     key = {"cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "ways": [str(w) for w in timed],
-           "kernels": cpu_kernels.source_digest() if OneRow.rows in timed else None,
+           "kernels": cpu_kernels.loaded_digest() if OneRow.rows in timed else None,
            "shapes": sorted([list(shape), dtype, n] for (shape, dtype), n in counts.items())}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "one_row" / f"{digest}.json" if cache_dir is not None else None
