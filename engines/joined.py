@@ -45,16 +45,22 @@ def stacked(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def join(module: nn.Module, name: str) -> bool:
-    """Replaces ``module``'s linears ``JOINED[name]`` with one linear ``name`` and records their output sizes as
+    """Replaces ``module``'s linears ``JOINED[name]`` with one linear ``name`` in the first one's place among its
+    children (module order is the order ``engines.held`` lays weights out in) and records their output sizes as
     ``<name>_sizes`` (what the caller splits the joined output by); False, and nothing changed, where they cannot
     be joined."""
     parts = [getattr(module, part) for part in JOINED[name]]
     joined = stacked(parts)
     if joined is None:
         return False
+    place = list(module._modules).index(JOINED[name][0])
     for part in JOINED[name]:
         delattr(module, part)
     setattr(module, name, joined)
+    children = list(module._modules.items())
+    children.insert(place, children.pop())
+    module._modules.clear()
+    module._modules.update(children)
     setattr(module, f"{name}_sizes", [p.out_features for p in parts])
     return True
 

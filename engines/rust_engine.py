@@ -19,7 +19,7 @@ from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
-from engines import attention_cpu, cpu_kernels, int4, int4_cpu, norm_cpu, one_row
+from engines import attention_cpu, cpu_kernels, held, int4, int4_cpu, norm_cpu, one_row
 from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -136,6 +136,7 @@ class RustEngine(Engine):
         config = model_config(model, self.ctx.context, self.ctx.engine_cfg.piece, dtype)
         self.int4_linears = sum(isinstance(m, Int4Linear) for m in model.modules())  # as the checkpoint has them
         self.joined_linears = join_layers(model)  # the Rust layer splits a joined product's outputs (model.rs: Qkv)
+        self.held_together_bytes = held.hold_together(model)
         self.one_row_choice = one_row.choose_for(model, self.ctx.engine_cfg.one_row, self.ctx.device.kind,
                                                  self.ctx.cache_dir)  # fmt: skip
         self.one_row = self.one_row_choice.one_row
@@ -222,6 +223,7 @@ class RustEngine(Engine):
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "joined_linears": self.joined_linears,
+                     "held_together_bytes": self.held_together_bytes,
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import cpu_kernels, int4, one_row
+from engines import cpu_kernels, held, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.steps import SteppedEngine
@@ -154,6 +154,7 @@ class SteppingEngine(SteppedEngine):
         int4.swap_lookups(self.model, self.packed_tables, dtype, device)
         self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
         self.joined_linears = self.join_linears()
+        self.held_together_bytes = held.hold_together(self.model)
         self.row_linears = 0
         self.one_row_choice = None
         if self.takes_one_row():
@@ -257,6 +258,7 @@ class SteppingEngine(SteppedEngine):
             "one_row": str(self.one_row_choice.one_row if self.row_linears else OneRow.linear),
             "one_row_linears": self.row_linears,
             "joined_linears": self.joined_linears,
+            "held_together_bytes": self.held_together_bytes,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             **cpu_kernels.facts(self.model),
             "read_every": self.ctx.read_every,

@@ -83,3 +83,11 @@ def test_the_ring_joins_q_k_v_where_a_layer_writes_its_own_kv_and_every_mlp(cach
         assert all(hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers)
     finally:
         engine.close()
+
+
+def test_a_joined_linear_takes_its_first_part_s_place_among_the_children():
+    runs_here(ROWS)
+    module = holder(q_norm=nn.Identity(), q_proj=int4_linear(48, 0), k_proj=int4_linear(16, 1),
+                    v_proj=int4_linear(32, 2), o_proj=int4_linear(16, 3))  # fmt: skip
+    assert join(module, "qkv_proj")
+    assert list(module._modules) == ["q_norm", "qkv_proj", "o_proj"]  # the order engines.held lays weights out in
