@@ -151,11 +151,13 @@ DB_TARGET inline __m512 load_scales(const Scale* s) {
   }
 }
 
-// Four bytes of a limb broadcast to every lane (the second operand of vpdpbusd).
-DB_TARGET inline __m512i four_of(const int8_t* limb) {
-  int32_t bits;
-  std::memcpy(&bits, limb, sizeof(bits));
-  return _mm512_set1_epi32(bits);
+// sum += the unsigned bytes of `levels` times the four signed bytes at `four` (a limb's, broadcast to every lane),
+// four products to a lane. Written as the instruction with its broadcast folded in: GCC 12 compiled the intrinsic over
+// a separate broadcast and copied every sum to another register and back around it (12 register copies a chunk at one
+// row and one tile); this form read one step's int4 products 3 % faster (25.3 against 24.5 GB/s, a scratch script
+// calling E2B's 212 products in sequence, two threads, the two forms alternated five rounds in one process).
+DB_TARGET inline void add_products(__m512i& sum, __m512i levels, const int8_t* four) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(levels), "m"(*reinterpret_cast<const int32_t*>(four)));
 }
 
 constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles
@@ -205,9 +207,8 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
           const int8_t* limb = limbs[r] + c * kLimbs * kChunk;
           for (int l = 0; l < kLimbs; ++l)
             for (int n = 0; n < 2; ++n) {
-              const __m512i four = four_of(limb + l * kChunk + 4 * n);
               for (int t = 0; t < Tiles; ++t)
-                sums[r][t][l][n % Halves] = _mm512_dpbusd_epi32(sums[r][t][l][n % Halves], nibbles[t][n], four);
+                add_products(sums[r][t][l][n % Halves], nibbles[t][n], limb + l * kChunk + 4 * n);
             }
         }
       }
