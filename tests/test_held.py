@@ -3,6 +3,8 @@ of its own, every product's outputs unchanged, other kernels' weights left as th
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ def test_the_weights_move_into_one_allocation_in_module_order_with_the_same_outp
     assert stored == tensors[0].untyped_storage().nbytes() >= sum(t.nbytes for t in tensors)
     starts = [t.data_ptr() for t in tensors]
     assert starts == sorted(starts) and all((s - base) % held.ALIGN == 0 for s in starts)  # module order, on lines
-    assert all(a.data_ptr() + a.nbytes <= b.data_ptr() for a, b in zip(tensors, tensors[1:]))  # none overlaps
+    assert all(a.data_ptr() + a.nbytes <= b.data_ptr() for a, b in pairwise(tensors))  # none overlaps
     assert module.aten.packed is aten_packed  # another kernel's weight is left as it was
     after = [m(x) for m in module.modules() if isinstance(m, Int4Linear)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
