@@ -12,6 +12,11 @@ CPU product reads them so; another device's kernels keep their own tensors.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -27,10 +32,21 @@ def streamed(model: nn.Module) -> list[Int4Linear]:
     return [m for m in dict.fromkeys(model.modules()) if isinstance(m, Int4Linear) and m.kernel == int4_cpu.OP]
 
 
+@functools.cache
+def malloc_trim() -> Callable[[int], int] | None:
+    """The C library's ``malloc_trim`` (glibc), or None where it has none. A weight under the allocator's mapping
+    threshold comes from the C heap, and freeing it keeps its pages in the process until they are trimmed: without
+    it the e2b-synthetic int4 ring held 716 MB more after load than with its weights apart (3,994 MB against 3,278);
+    with it, 2,954 MB after load and a peak of 3,279 (the trim gives back other freed pages too)."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
 def hold_together(model: nn.Module) -> int:
     """Moves the words and scales of every ``int4_rows`` linear of ``model`` into one allocation, in module order, each
-    starting on a 64-byte line (the module's buffers become views of it, values unchanged; each old buffer is freed
-    once copied, so the process holds one more weight at most meanwhile); returns the allocation's bytes (0: none)."""
+    starting on a 64-byte line (the module's buffers become views of it, values unchanged); each old buffer is freed
+    and its pages given back (``malloc_trim``) once copied, so the process holds one more weight at most meanwhile.
+    Returns the allocation's bytes (0: none)."""
     linears = streamed(model)
     if not linears:
         return 0
@@ -40,11 +56,14 @@ def hold_together(model: nn.Module) -> int:
         starts.append(starts[-1] + -(-t.nbytes // ALIGN) * ALIGN)
     together = torch.empty(starts[-1], dtype=torch.uint8, device=tensors[0].device)
     del tensors
-    at = iter(starts)
+    at, trim = iter(starts), malloc_trim()
     for m in linears:
         for name in HELD:
             old, start = getattr(m, name), next(at)
             view = together[start : start + old.nbytes].view(old.dtype).view(old.shape)
             view.copy_(old)
             setattr(m, name, view)
+            del old
+            if trim is not None:
+                trim(0)
     return together.nbytes
