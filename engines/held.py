@@ -29,7 +29,7 @@ HELD = ("words", "scales")  # an int4_rows linear's buffers, in the order its ke
 
 def streamed(model: nn.Module) -> list[Int4Linear]:
     """``model``'s ``int4_rows`` linears, each once, in module order."""
-    return [m for m in dict.fromkeys(model.modules()) if isinstance(m, Int4Linear) and m.kernel == int4_cpu.OP]
+    return [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == int4_cpu.OP]
 
 
 @functools.cache
