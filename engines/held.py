@@ -36,8 +36,9 @@ def streamed(model: nn.Module) -> list[Int4Linear]:
 def malloc_trim() -> Callable[[int], int] | None:
     """The C library's ``malloc_trim`` (glibc), or None where it has none. A weight under the allocator's mapping
     threshold comes from the C heap, and freeing it keeps its pages in the process until they are trimmed: without
-    it the e2b-synthetic int4 ring held 716 MB more after load than with its weights apart (3,994 MB against 3,278);
-    with it, 2,954 MB after load and a peak of 3,279 (the trim gives back other freed pages too)."""
+    it the e2b-synthetic int4 ring's resident set after load (``memory_after_load``, VmRSS) was 716 MiB above its
+    weights held apart (3,994 MiB against 3,278); with it 2,954 MiB, and its peak (``memory_peak_rss``, VmHWM) 3,279
+    MiB against 3,399 apart (the trim gives back other freed pages too)."""
     name = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
