@@ -36,7 +36,7 @@ from engines.base import Generation
 from engines.generate import static_cache_bytes
 from engines.int4 import Weights
 from engines.one_row import OneRow
-from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
+from engines.stepping import SteppingEngine, SteppingEngineConfig
 from engines.steps import batch_call
 
 WINDOW_FIX = ("update", "get_seq_length", "get_mask_sizes")
@@ -170,11 +170,11 @@ class CompiledEngine(SteppingEngine):
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([prompt_ids], device=self.ctx.device.torch_device)
         last = forward_logits(self.model, self.cache, ids, torch.arange(len(prompt_ids), device=ids.device)[None])
-        return greedy(last), last
+        return self.greedy(last), last
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = forward_logits(self.model, self.cache, token, position[None])
-        return greedy(logits), logits
+        return self.greedy(logits), logits
 
     def rows_step(
         self, token: torch.Tensor, position: torch.Tensor, padding: torch.Tensor
@@ -182,7 +182,7 @@ class CompiledEngine(SteppingEngine):
         """One token a sequence of the batch cache: ``token`` [B, 1] at ``position`` [B, 1], ``padding`` [B, slots]
         (``forward_logits``) -> the next [B, 1] and logits [B, V]."""
         logits = forward_logits(self.model, self.batch_cache, token, position, padding)
-        return greedy(logits), logits
+        return self.greedy(logits), logits
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """Each prompt read alone (``prefill``, the one-sequence programs) and its cache copied into a row of a batch

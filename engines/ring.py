@@ -50,7 +50,7 @@ from engines import attention_cpu
 from engines.attention_cpu import DecodeAttention
 from engines.base import Generation
 from engines.joined import join_layers
-from engines.stepping import SteppingEngine, SteppingEngineConfig, greedy
+from engines.stepping import SteppingEngine, SteppingEngineConfig
 from engines.steps import batch_call
 
 MAX_PROGRAMS = 64  # compiled programs a bucketed ring keeps per function (more than 2 * log2(131328 / 16))
@@ -351,7 +351,7 @@ class RingEngine(SteppingEngine):
         order = (offsets - (length - count)) % length if ends_full else offsets  # each row's place in the piece
         logits = self.forward(ids, (start + order)[None], (order < count)[None],
                               1 if ends_full else (count - 1).view(1))  # fmt: skip
-        return greedy(logits), logits
+        return self.greedy(logits), logits
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         pieces = self.pieces_of(prompt_ids)
@@ -404,7 +404,7 @@ class RingEngine(SteppingEngine):
         positions = position[:, None]
         logits = self.forward(token, positions, torch.ones_like(positions, dtype=torch.bool),
                               torch.zeros_like(position[:1]))  # fmt: skip
-        return greedy(logits), logits
+        return self.greedy(logits), logits
 
     def open_rows(self, rows: int, warm: bool = False) -> None:
         """A ring of ``rows`` sequences (kept while its size is asked again), every row free: ``admit`` reads a

@@ -19,7 +19,7 @@ from decodebench.checkpoint import load_model
 from decodebench.config import ConfigError, EngineConfig, Tables, at_least
 from decodebench.device import Device, EagerMode, fuse_unsupported, tpu_eager_mode
 from decodebench.layout import LastPiece, full_slots, kv_sources, piece_length, sliding_slots
-from engines import attention_cpu, cpu_kernels, held, int4, int4_cpu, norm_cpu, one_row
+from engines import attention_cpu, cpu_kernels, greedy_cpu, held, int4, int4_cpu, norm_cpu, one_row
 from engines.attention_cpu import DecodeAttention
 from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
@@ -147,6 +147,8 @@ class RustEngine(Engine):
         config["one_query"] = self.decode_attention == attention_cpu.OP
         self.norm = norm_cpu.EAGER if norm_cpu.unsupported(self.ctx.device.kind, dtype) else norm_cpu.OP
         config["rms_norm"] = self.norm == norm_cpu.OP
+        self.greedy_kernel = greedy_cpu.choose(self.ctx.device.kind, dtype)
+        config["first_max"] = self.greedy_kernel == greedy_cpu.OP
         modules = dict(model.named_modules(remove_duplicate=False))
         tables = {path: packed_table(m) for path, m in modules.items() if isinstance(m, PACKED_TABLES)}
         linears = {path: packed_linear(m) for path, m in modules.items()
@@ -220,6 +222,7 @@ class RustEngine(Engine):
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
                      "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
                      "norm": self.norm, "rope": norm_cpu.ROPE if self.norm == norm_cpu.OP else norm_cpu.EAGER,
+                     "greedy": self.greedy_kernel,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "joined_linears": self.joined_linears,

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import cpu_kernels, held, int4, one_row
+from engines import cpu_kernels, greedy_cpu, held, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.steps import SteppedEngine
@@ -65,11 +65,6 @@ def graph_counts() -> dict[str, int]:
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
     }
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits -> [B, 1] token ids, on the device."""
-    return logits.argmax(-1, keepdim=True)
 
 
 @dataclass
@@ -164,8 +159,13 @@ class SteppingEngine(SteppedEngine):
                 self.row_linears = one_row.swap_dense_linears(self.model)
             elif self.one_row_choice.one_row == OneRow.rows:
                 self.row_linears = one_row.pack_dense_linears(self.model)
+        self.greedy_kernel = greedy_cpu.choose(self.ctx.device.kind, self.ctx.dtype)
         self.build()
         self.compiled_step: Step = self.compile(self.step)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits -> [B, 1] token ids, on the device, with the kernel chosen at load (``greedy_cpu``)."""
+        return greedy_cpu.pick(logits, self.greedy_kernel)
 
     def load_weights(self, keep: tuple[str, ...]) -> tuple[torch.nn.Module, dict[str, PackedTable]]:
         """The model on the device from decodebench's loader, with the weights named in ``keep`` (and every
@@ -261,6 +261,7 @@ class SteppingEngine(SteppedEngine):
             "held_together_bytes": self.held_together_bytes,
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             **cpu_kernels.facts(self.model),
+            "greedy": self.greedy_kernel,
             "read_every": self.ctx.read_every,
             **weights,
             **graph_counts(),

@@ -16,7 +16,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench.checkpoint import open_checkpoint
 from decodebench.config import ConfigError
 from decodebench.device import Device
-from engines import bf16_cpu, int4, norm_cpu
+from engines import bf16_cpu, greedy_cpu, int4, norm_cpu
 from engines.rust_engine import RustEngine, int4_unsupported
 from runner import run_cell, typed_config
 from tests.conftest import opened
@@ -195,6 +195,16 @@ def test_shim_norm_is_the_python_engines_operator():
         decodebench_rs.shim_op("rms_rope", [heads, weight[:20], cos, sin], [1e-6]),
         norm_cpu.rms_rope(heads, weight[:20], 1e-6, cos, sin),
     )
+
+
+def test_shim_first_max_is_the_python_engines_operator():
+    """The shim's greedy pick is ``decodebench_pick::first_max`` itself: argmax's index, the leading dims kept."""
+    if greedy_cpu.choose("cpu", torch.bfloat16) != greedy_cpu.OP:
+        pytest.skip(f"{greedy_cpu.OP}: the project's CPU kernels do not run here")
+    logits = (torch.randn(2, 1, 70000) * 4).round().to(torch.bfloat16)
+    got = decodebench_rs.shim_op("first_max", [logits], [])
+    assert torch.equal(got, logits.argmax(-1, keepdim=True))
+    assert torch.equal(got, decodebench_rs.shim_op("argmax_last", [logits], []))
 
 
 def joined_in(model: nn.Module) -> int:

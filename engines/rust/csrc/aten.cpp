@@ -50,6 +50,7 @@ using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
 using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double);
 using RmsNorm = Tensor(const Tensor&, const std::optional<Tensor>&, double);
 using RmsRope = Tensor(const Tensor&, const std::optional<Tensor>&, double, const Tensor&, const Tensor&);
+using FirstMax = Tensor(const Tensor&);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> kernel(const char* name) {
@@ -219,6 +220,15 @@ T db_rms_rope(T x, T weight, double eps, T cos, T sin) {
   return guarded([&] {
     static const auto op = kernel<RmsRope>("decodebench_norm::rms_rope");
     return op.call(*x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps, *cos, *sin);
+  });
+}
+
+// The index of the first largest value along the last dim, kept as a dim of 1, as argmax(-1, true) gives it:
+// decodebench_pick::first_max (engines/csrc/first_max.cpp), which reads a row with every thread and 16 values a vector.
+T db_first_max(T x) {
+  return guarded([&] {
+    static const auto op = kernel<FirstMax>("decodebench_pick::first_max");
+    return by_rows(*x, 1, [&](const Tensor& rows) { return op.call(rows); });
   });
 }
 

@@ -61,6 +61,7 @@ extern "C" {
     fn db_sdpa(q: Raw, k: Raw, v: Raw, mask: Raw, scale: f64) -> Raw;
     fn db_one_query(q: Raw, k: Raw, v: Raw, keep: Raw, scale: f64) -> Raw;
     fn db_rms(x: Raw, weight: Raw, eps: f64) -> Raw;
+    fn db_first_max(x: Raw) -> Raw;
     fn db_rms_rope(x: Raw, weight: Raw, eps: f64, cos: Raw, sin: Raw) -> Raw;
 }
 
@@ -198,6 +199,11 @@ impl Tensor {
     }
     /// x [..., n] bf16 over the root of its mean square plus eps, times `weight` [n] where given, in float32,
     /// rounded once: decodebench_norm::rms.
+    /// The index of the first largest value along the last dim (a dim of 1 kept), as `argmax_last` gives it, by the
+    /// project's decodebench_pick::first_max.
+    pub fn first_max(&self) -> Result<Tensor> {
+        wrap(unsafe { db_first_max(self.0) })
+    }
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         wrap(unsafe { db_rms(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps) })
     }

@@ -64,6 +64,7 @@ fn config(d: &PyDict) -> PyResult<Config> {
         one_row_mv: get(d, "one_row_mv")?,
         one_query: get(d, "one_query")?,
         rms_norm: get(d, "rms_norm")?,
+        first_max: get(d, "first_max")?,
     })
 }
 
@@ -265,6 +266,7 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
         "tanh" => t[0].tanh(),
         "index_select" => t[0].index_select(s(0)? as i64, &t[1]),
         "argmax_last" => t[0].argmax_last(),
+        "first_max" => t[0].first_max(),
         "cat" => t[0].cat(&t[1], s(0)? as i64),
         "narrow" => t[0].narrow(s(0)? as i64, s(1)? as i64, s(2)? as i64),
         "remainder" => t[0].remainder(s(0)? as i64),

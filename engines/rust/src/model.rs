@@ -43,6 +43,8 @@ pub struct Config {
     /// Each norm by the project's decodebench_norm::rms, one operator in place of nine, and a q or k head's norm and
     /// rotary embedding by decodebench_norm::rms_rope, one in place of seventeen (engines/norm_cpu.py).
     pub rms_norm: bool,
+    /// Each token picked by the project's decodebench_pick::first_max, argmax to the bit (engines/greedy_cpu.py).
+    pub first_max: bool,
 }
 
 /// A layer's q, k and v products (k and v only where the layer owns a cache): one product whose outputs are q's,
@@ -225,6 +227,15 @@ impl Model {
 
     pub fn cache_bytes(&self) -> i64 {
         self.ring.k.values().chain(self.ring.v.values()).map(|t| t.nbytes()).sum()
+    }
+
+    /// The greedy token of logits [1, V], [1, 1].
+    fn greedy(&self, logits: &Tensor) -> Result<Tensor> {
+        if self.cfg.first_max {
+            logits.first_max()
+        } else {
+            logits.argmax_last()
+        }
     }
 
     fn rms(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
@@ -415,13 +426,13 @@ impl Model {
         self.ring.ring_pos.fill_(-1.0)?;
         self.ring.full_pos.fill_(-1.0)?;
         let mut logits = self.read_prompt(ids, last_rows)?;
-        logits.argmax_last()?.to_i64s()?; // waits for the device: the prompt read ends here
+        self.greedy(&logits)?.to_i64s()?; // waits for the device: the prompt read ends here
         let first = Instant::now();
         let valid = Tensor::full_i64(1, 1, &self.like)?.ge_scalar(1.0)?;
         let mut position = Tensor::full_i64(1, ids.len() as i64, &self.like)?;
         let (mut out, mut pending, mut made) = (Vec::new(), Vec::new(), 0);
         let finish = loop {
-            let token = logits.argmax_last()?.reshape(&[1])?;
+            let token = self.greedy(&logits)?.reshape(&[1])?;
             if let Some(kept) = keep_logits.as_deref_mut() {
                 kept.push(logits);
             }
