@@ -25,9 +25,9 @@ using namespace decodebench;
 constexpr int64_t kPart = 65536;  // values a thread takes at the least
 
 struct Best {
-  float value = -std::numeric_limits<float>::infinity();
-  int64_t index = -1;  // -1: the part is empty
-  bool nan = false;
+  float value;
+  int64_t index;
+  bool nan;
 };
 
 // 16 values of x from i (the first `valid`) as float32, exactly.
@@ -36,14 +36,13 @@ DB_TARGET inline __m512 load_values(const Scalar* x, int64_t valid) {
   if constexpr (std::is_same_v<Scalar, float>) {
     return _mm512_maskz_loadu_ps(first_lanes(valid), x);
   } else {
-    return widen(reinterpret_cast<const c10::BFloat16*>(x), valid);
+    return widen(x, valid);
   }
 }
 
-// The first largest of x[begin, end) (or its first NaN).
+// The first largest of x[begin, end) (or its first NaN), begin < end.
 template <typename Scalar>
 DB_TARGET Best first_max_of(const Scalar* x, int64_t begin, int64_t end) {
-  if (end <= begin) return {};
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512i at = _mm512_set1_epi32(-1);
   __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)),
@@ -78,7 +77,7 @@ void first_max_rows(const at::Tensor& x, at::Tensor& out) {
   const auto* xp = x.data_ptr<Scalar>();
   auto* op = out.data_ptr<int64_t>();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kPart));
-  const int64_t per = (n + parts - 1) / parts;
+  const int64_t per = (n + parts - 1) / parts;  // at least kPart: every part holds values
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<Best> found(parts);
     at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
@@ -86,10 +85,8 @@ void first_max_rows(const at::Tensor& x, at::Tensor& out) {
         found[p] = first_max_of(xp + r * n, p * per, std::min(n, (p + 1) * per));
     });
     Best winner = found[0];
-    for (int64_t p = 1; p < parts && !winner.nan; ++p) {
-      const Best& b = found[p];
-      if (b.index >= 0 && (b.nan || b.value > winner.value)) winner = b;
-    }
+    for (int64_t p = 1; p < parts && !winner.nan; ++p)
+      if (found[p].nan || found[p].value > winner.value) winner = found[p];
     op[r] = winner.index;
   }
 }
