@@ -25,6 +25,7 @@ from engines.base import Engine, Generation, OnTokens
 from engines.int4 import Int4Embedding, Int4Linear, Weights
 from engines.joined import join_layers
 from engines.one_row import OneRow, PackedEmbedding, PackedLinear
+from engines.product_bytes import product_bytes
 
 
 @dataclass
@@ -226,7 +227,7 @@ class RustEngine(Engine):
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),
                      "joined_linears": self.joined_linears,
-                     "held_together_bytes": self.held_together_bytes,
+                     "held_together_bytes": self.held_together_bytes, "product_bytes": product_bytes(self.model),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:

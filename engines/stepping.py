@@ -23,6 +23,7 @@ from decodebench.device import Device
 from engines import cpu_kernels, greedy_cpu, held, int4, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
+from engines.product_bytes import product_bytes
 from engines.steps import SteppedEngine
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -259,6 +260,7 @@ class SteppingEngine(SteppedEngine):
             "one_row_linears": self.row_linears,
             "joined_linears": self.joined_linears,
             "held_together_bytes": self.held_together_bytes,
+            "product_bytes": product_bytes(self.model),
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             **cpu_kernels.facts(self.model),
             "greedy": self.greedy_kernel,

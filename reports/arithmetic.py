@@ -264,8 +264,11 @@ def _missing(value: Any) -> bool:
 
 
 # Bytes a linear weight is read at, by how the engine holds its linears (the cells' ``weights``), given the run
-# dtype's bytes: ``dense`` at that dtype; ``int4`` (``engine.weights=int4``) half a byte plus a scale and a zero per 32
-# weights in the run's dtype, as the project's kernels hold them; a peer's own formats as its evidence names them
+# dtype's bytes, where the evidence has no count of the engine's own (``engine.product_bytes``, which takes
+# precedence): ``dense`` at that dtype; ``int4`` (``engine.weights=int4``) half a byte plus a scale and a zero per 32
+# weights in the run's dtype, as aten's int4 kernels hold them with one scale part (``int4_rows`` holds the stored
+# scale alone, 0.5 + 2/32 with float16 scales: 10 % fewer bytes, so evidence without the count overstates its share of
+# the roofline by 11 %); a peer's own formats as its evidence names them
 # (``engine.linears``): vLLM's W4A16 half a byte plus a bf16 scale per 32 (symmetric), llama.cpp's GGUF types by their
 # block sizes (q8_0: 32 int8 and an fp16 scale in 34 bytes; q4_0: 18 bytes per 32; q4_K: 144 bytes per 256, its
 # lm_head q6_K counted at that rate too), bf16 and f32 whole.
@@ -303,6 +306,7 @@ def bytes_per_token(
     position: int,
     weights: str = "dense",
     batch: int = 1,
+    held: dict[str, int] | None = None,
 ) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``, in bytes.
 
@@ -310,19 +314,23 @@ def bytes_per_token(
     MLP width). Linears and lm_head are read whole each step, once for the ``batch`` sequences of the step (so
     a token's share is 1/batch of them); the two embedding tables are gathered (one row each, a token); each
     layer reads its source cache over min(position, window) sliding or position full slots, a sequence its own.
-    Every linear, ``lm_head`` included, is read at ``HELD_BYTES[weights]`` bytes a weight. Returns the weights'
-    bytes a token, the KV bytes a token, and ``parts``: what one step reads of each (linears and lm_head whole).
+    The linears' and ``lm_head``'s bytes are ``held`` where the engine counted them from its own tensors
+    (``engines.product_bytes``: ``linears`` and ``lm_head``, B), else every weight of the shape at
+    ``HELD_BYTES[weights]`` bytes. Returns the weights' bytes a token, the KV bytes a token, and ``parts``: what one
+    step reads of each (linears and lm_head whole).
     """
     h, ple, window = shape["hidden_size"], shape["hidden_size_per_layer_input"], shape["sliding_window"]
     kv = 0.0
     for layer in layers:
         slots = position if layer["type"] == "full_attention" else min(position, window)
         kv += 2 * layer["kv_heads"] * layer["head_dim"] * dtype_bytes * slots
-    held = HELD_BYTES[weights](dtype_bytes)  # bytes a weight is read at
-    step = weights_per_step(shape, layers)
+    if held is None:
+        width = HELD_BYTES[weights](dtype_bytes)  # bytes a weight is read at
+        step = weights_per_step(shape, layers)
+        held = {"linears": step["linears"] * width, "lm_head": step["lm_head"] * width}
     parts = {
-        "linears": step["linears"] * held,
-        "lm_head": step["lm_head"] * held,
+        "linears": float(held["linears"]),
+        "lm_head": float(held["lm_head"]),
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
     return (parts["linears"] + parts["lm_head"]) / batch + parts["embedding rows"], kv, parts
@@ -339,21 +347,31 @@ class TokenBytes:
     kv: float
     parts: dict[str, float]
     position: int
+    counted: bool = False  # linears and lm_head as the engine counted them from its tensors, not from the shape
 
 
 def token_bytes(
-    model: dict[str, Any], dtype: str, prompt_tokens: Any, max_new_tokens: Any, weights: str, batch: int = 1
+    model: dict[str, Any],
+    dtype: str,
+    prompt_tokens: Any,
+    max_new_tokens: Any,
+    weights: str,
+    batch: int = 1,
+    held: dict[str, int] | None = None,
 ) -> TokenBytes | None:
     """``bytes_per_token`` of a cell from its evidence (the model block's shape and layers, its dtype, prompt
-    and N, how the linears are held: ``HELD_BYTES``); None when the evidence lacks the layout or the prompt's length,
-    or names a holding this module cannot count."""
+    and N, the bytes its products read as the engine counted them, ``held``, else how the linears are held:
+    ``HELD_BYTES``); None when the evidence lacks the layout or the prompt's length, or names a holding this module
+    cannot count and no count of the engine's."""
     if not model.get("layers") or _missing(prompt_tokens) or _missing(max_new_tokens) or dtype not in DTYPE_BYTES:
         return None
     position = int(prompt_tokens + max_new_tokens // 2)
-    if weights not in HELD_BYTES:
+    held = held if isinstance(held, dict) else None
+    if held is None and weights not in HELD_BYTES:
         return None
-    weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights, batch)
-    return TokenBytes(weight + kv, kv, parts, position)
+    weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights, batch,
+                                        held)  # fmt: skip
+    return TokenBytes(weight + kv, kv, parts, position, counted=held is not None)
 
 
 def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
@@ -362,12 +380,13 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
     entries = []
     for _, row in decode.iterrows():
         batch = int(row.get("batch", 1) or 1)
-        read = token_bytes(
-            models.get(row.files[0], {}), row["dtype"], row.prompt_tokens, row.max_new_tokens, row.weights, batch
-        )
+        read = token_bytes(models.get(row.files[0], {}), row["dtype"], row.prompt_tokens, row.max_new_tokens,
+                           row.weights, batch, row.get("product_bytes"))  # fmt: skip
         if read is None or _missing(row.bandwidth_gb_s):
             continue
         held = row["dtype"] if row.weights == "dense" else f"{row.weights} + scales"
+        if read.counted:
+            held += ", the bytes of the tensors the engine's products read"
         label = row.key
         entries.append(
             Entry(
@@ -378,7 +397,9 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
                 "linears + lm_head + embedding rows + KV(position)" if batch == 1
                 else f"(linears + lm_head) / {batch} + embedding rows + KV(position)",
                 [
-                    Input(name, value, "B", f"model shape and layers in {row.files[0]}")
+                    Input(name, value, "B", f"engine.product_bytes (counted from its tensors) in {row.files[-1]}"
+                          if read.counted and name in ("linears", "lm_head")
+                          else f"model shape and layers in {row.files[0]}")  # fmt: skip
                     for name, value in read.parts.items()
                 ]
                 + [

@@ -142,7 +142,8 @@ def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
         return "no decode_tok_s sample: every warm pair broke the method", None
     bandwidth = cell.bandwidth_gb_s
     batch = int(cell.get("batch", 1) or 1)  # a step of B sequences reads the linears once for B tokens
-    read = token_bytes(model, cell["dtype"], cell.prompt_tokens, cell.max_new_tokens, cell.weights, batch)
+    read = token_bytes(model, cell["dtype"], cell.prompt_tokens, cell.max_new_tokens, cell.weights, batch,
+                       cell.get("product_bytes"))  # fmt: skip
     if read is None or bandwidth is None or pd.isna(bandwidth):
         return None, "bandwidth ceiling not checked: " + (
             "no bandwidth recorded" if read else "no layer layout recorded"

@@ -507,11 +507,13 @@ def cell_record(
     around: tuple[float, float] | None = None,
     sweep_read_contention: dict | None = None,
     cpu_kernels: str | None = None,
+    product_bytes: dict | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
     (``replica``, ``fingerprint``, ``checks``, ``contention``, ``cpu_kernels``: the digest of the project's CPU
-    kernels' sources); a parity cell passes with ``verdict``."""
+    kernels' sources, ``product_bytes``: the engine's count of its products' bytes); a parity cell passes with
+    ``verdict``."""
     parity = experiment == "parity"
     experiment_cfg = {"name": experiment, **({"batch": batch} if batch is not None else {})}
     if parity:
@@ -560,7 +562,8 @@ def cell_record(
         timers={"parity": "not timed"}
         if parity
         else {"decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair"},
-        engine={} if cpu_kernels is None else {"cpu_kernel_source": cpu_kernels},
+        engine={**({} if cpu_kernels is None else {"cpu_kernel_source": cpu_kernels}),
+                **({} if product_bytes is None else {"product_bytes": product_bytes})},
     ).to_json()
     evidence.validate(record)
     return record

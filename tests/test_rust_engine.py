@@ -232,18 +232,21 @@ def test_joined_products_give_the_rust_model_the_bits_of_its_products_apart(cach
         pytest.skip(f"{bf16_cpu.OP}: {reason}")
     else:
         overrides = ("engine.one_row=rows",)
-    logits = {}
+    logits, counted = {}, {}
     for join in (True, False):
         if not join:
             monkeypatch.setattr("engines.rust_engine.join_layers", lambda model: 0)
         handle = opened(f"cache_dir={cache_dir}", "engine=rust", "dtype=bfloat16", "context=1024", *overrides)
         try:
             engine = handle.load()
-            assert engine.describe()["joined_linears"] == (joined_in(engine.model) if join else 0)
+            described = engine.describe()
+            assert described["joined_linears"] == (joined_in(engine.model) if join else 0)
+            counted[join] = described["product_bytes"]
             logits[join] = engine.generate(PROMPT, 6, return_logits=True).logits
         finally:
             handle.close()
     assert torch.equal(logits[True], logits[False])
+    assert counted[True] == counted[False]  # joined products read the bytes their parts read, no more
 
 
 def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny):

@@ -154,6 +154,7 @@ _COLUMNS = [
     "contention",
     "tables",
     "weights",
+    "product_bytes",
     "utc_time",
     "cpu_model",
     "cpu_flags",
@@ -219,7 +220,9 @@ def _values(r: evidence.Record, name: str) -> list[float]:
 
 def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
     """One cell file as a row. ``weights``: how the engine holds its linears (``engine.weights``, dense or
-    int4; a peer's own format, its evidence's ``engine.linears``, else ``engine.quant``); ``tables``: the
+    int4; a peer's own format, its evidence's ``engine.linears``, else ``engine.quant``); ``product_bytes``: the
+    bytes its products read each step as the engine counted them from its tensors (``engines.product_bytes``; None
+    where it did not, a peer or evidence written before it did); ``tables``: the
     checkpoint's own account of its weights (``model.tables_description``, or
     ``model.weights`` in evidence written before that name); ``max_new_tokens`` falls back to the
     measurement's earlier name ``new_tokens`` the same way; ``device_name``: on a CPU the CPU's model (torch and
@@ -293,6 +296,7 @@ def _row(rel: str, data: dict[str, Any]) -> dict[str, Any]:
         "contention": env.get("contention"),
         "tables": r.model.get("tables_description", r.model.get("weights")),
         "weights": cfg["engine"].get("weights") or r.engine.get("linears") or cfg["engine"].get("quant") or "dense",
+        "product_bytes": r.engine.get("product_bytes"),
         "utc_time": env.get("utc_time"),
         "cpu_model": env.get("cpu_model"),
         "cpu_flags": " ".join(env.get("cpu_flags") or []),

@@ -28,8 +28,8 @@ DECODE_COLUMNS = ["decode", "decode_values", "decode_median", "decode_low", "dec
                   "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak",
                   "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour", "price_note", "bandwidth_gb_s",
                   "bandwidth_note", "bandwidth_source", "peak_tflops", "peak_source", "hardware", "tables", "weights",
-                  "streamed", "streamed_values", "warm_1", "warm_n", "n_over_warm_n", "memory_with_cache",
-                  "method"]  # fmt: skip
+                  "product_bytes", "streamed", "streamed_values", "warm_1", "warm_n", "n_over_warm_n",
+                  "memory_with_cache", "method"]  # fmt: skip
 
 
 def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
@@ -88,6 +88,7 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
                 "hardware": ", ".join(sorted({str(h) for h in used.hardware.dropna()})) or None,
                 "tables": last.tables,
                 "weights": last.weights,
+                "product_bytes": last.product_bytes,
                 "streamed": sampled(streamed),
                 "streamed_values": streamed,
                 "warm_1": sampled(_pooled(used.warm_1_values)),
