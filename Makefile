@@ -197,7 +197,8 @@ soak: setup
 BENCH_THREADS ?= $(shell lscpu -p=Core,Socket | grep -v '^\#' | sort -u | wc -l)
 bench-int4: setup
 	@mkdir -p evidence/bench
-	OMP_NUM_THREADS=$(BENCH_THREADS) $(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
+	OMP_NUM_THREADS=$(BENCH_THREADS) DECODEBENCH_READ_BYTES=$$($(BIN)/python -c "from decodebench.device import read_bytes; print(read_bytes('cpu'))") \
+	$(BIN)/python -m pytest tests/bench_int4.py --benchmark-json=evidence/bench/int4-linear.json --benchmark-min-rounds=20
 
 # The OpenAI-compatible server over one engine (serve.py, serving/); chat page at http://127.0.0.1:8000/
 SERVE_ARGS ?= engine=ring model=tiny

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -246,11 +247,52 @@ READ_REDUCTIONS = {FLOAT_SUM: (torch.float32, torch.sum), "sum int64": (torch.in
                    "amax uint8": (torch.uint8, torch.amax)}  # fmt: skip
 
 
+# The bytes a streaming read covers: ``READ_BYTES`` (environment variable, bytes) where set, else ``BASE_READ_BYTES``,
+# on a CPU at least ``CACHE_TIMES`` times its last-level cache, so that a read that passes over it again finds little of
+# it in the cache: a decode step streams more than the cache holds (e2b-synthetic's int4 products 1.28 GB, its bf16
+# ones 4.56 GB), each byte once a step. On the 2-core KVM Xeon with AMX (sysfs: a 480 MiB L3) the best of torch's three
+# reductions read 51-54 GB/s over 64 MiB, 33.5-35.3 over 256 MiB and 31.2-33.1 over 1,920 MiB in one run (28.5-31.6
+# over 1.28-4 GiB in another), and the project's int4 products in sequence read 28.8-29.4, a plain read of their bytes
+# from C++ 28.4-29.4: 256 MiB overstated what a step's reads can reach there. The tests set a small ``READ_BYTES``.
+READ_BYTES = "DECODEBENCH_READ_BYTES"
+BASE_READ_BYTES = 256 * 2**20
+CACHE_TIMES = 4
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def cache_bytes(level: int | None = None, caches: Path = CPU_CACHES) -> int:
+    """The size in bytes of the data cache of ``level`` (the largest of any level where None) that this CPU's first
+    core reports (sysfs ``index*/``: ``type``, ``level``, ``size`` as ``2048K``); 0 where it reports none."""
+    sizes = [0]
+    for index in caches.glob("index*"):
+        facts = {f.name: f.read_text().strip() for f in (index / "type", index / "level", index / "size") if f.exists()}
+        if facts.get("type") == "Instruction" or "size" not in facts:
+            continue
+        if level is not None and facts.get("level") != str(level):
+            continue
+        text = facts["size"]
+        sizes.append(int(text[:-1]) * SIZE_UNITS[text[-1]] if text[-1] in SIZE_UNITS else int(text))
+    return max(sizes)
+
+
+def read_bytes(device_kind: str, caches: Path = CPU_CACHES) -> int:
+    """The bytes a streaming read of ``device_kind``'s memory covers (``READ_BYTES``, else ``BASE_READ_BYTES``, on a
+    CPU at least ``CACHE_TIMES`` x its last-level cache)."""
+    if text := os.environ.get(READ_BYTES):
+        if not text.isdigit() or int(text) < 2**20:
+            raise ValueError(f"{READ_BYTES}={text!r}: the bytes a streaming read covers, a whole number, 1 MiB or more")
+        return int(text)
+    cache = cache_bytes(caches=caches) if device_kind == "cpu" else 0
+    return max(BASE_READ_BYTES, CACHE_TIMES * cache)
+
+
 def measure_bandwidth(
-    device: Device, nbytes: int = 256 * 2**20, repeats: int = 5, copy: bool = True
+    device: Device, nbytes: int | None = None, repeats: int = 5, copy: bool = True
 ) -> dict[str, object]:
-    """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (every thread over ``nbytes``: what a
-    decode step does to its weights), the figure a roofline divides by (``value``), and beside it (unless ``copy`` is
+    """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (every thread over ``nbytes``, by
+    default ``read_bytes``: what a decode step does to its weights, recorded as ``bytes``), the figure a roofline
+    divides by (``value``), and beside it (unless ``copy`` is
     false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
     reaches. A CPU reads with each of ``READ_REDUCTIONS`` in turn, every repeat: a repeat's read is the best
     of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more than its bytes on one
@@ -259,6 +301,7 @@ def measure_bandwidth(
     Timer boundaries: ``device.sync()`` before and after each pass. A JAX accelerator reads with a jitted sum and
     copies with a jitted ``x + 1`` over its own memory, never through the host.
     """
+    nbytes = nbytes or read_bytes(device.kind)
     if isinstance(device, JaxDevice) and device.kind != "cpu":
         import jax
         import jax.numpy as jnp
@@ -297,7 +340,7 @@ def measure_bandwidth(
         if copy_pass is not None:
             copy_samples.append(rate(copy_pass, 2 * nbytes))
     read = {"value": max(read_samples), "unit": "GB/s", "samples": read_samples, "reductions": by_reduction,
-            "method": f"{how['read']}, bytes read / seconds, best of {repeats}"}  # fmt: skip
+            "bytes": nbytes, "method": f"{how['read']}, bytes read / seconds, best of {repeats}"}  # fmt: skip
     if copy_pass is None:
         return read
     copied = {"value": max(copy_samples), "method": f"{how['copy']}, read+write bytes / seconds, best of {repeats}",

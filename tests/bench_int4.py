@@ -23,8 +23,6 @@ share of.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +30,7 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench import hardware
-from decodebench.device import resolve_device
+from decodebench.device import cache_bytes, resolve_device
 from engines import int4, one_row
 from engines.joined import JOINED
 from tests.conftest import e2b_text_config
@@ -65,21 +63,6 @@ def packed_linear(weight: torch.Tensor) -> one_row.PackedLinear:
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
     linear.weight.data = weight
     return one_row.PackedLinear(linear)
-
-
-def cache_bytes(level: int | None = None) -> int:
-    """The size in bytes of the data cache of ``level`` (the largest of any level where None) that this CPU's first
-    core reports (sysfs); 0 where it reports none."""
-    sizes = [0]
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        facts = {f.name: f.read_text().strip() for f in (index / "type", index / "level", index / "size") if f.exists()}
-        if facts.get("type") == "Instruction" or "size" not in facts:
-            continue
-        if level is not None and facts.get("level") != str(level):
-            continue
-        text = facts["size"]
-        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
-    return max(sizes)
 
 
 # A call's weight copies together hold at least this much (1024 copies at most): twice the largest cache, 512 MiB at

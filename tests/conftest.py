@@ -20,6 +20,9 @@ from decodebench import pages
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault(pages.VARIABLE, pages.ON)  # huge pages: before torch is imported (decodebench/pages.py)
 os.environ.setdefault("DECODEBENCH_READ_TRIES", "1")  # the other xdist worker keeps a core busy: no second read
+# Each cell reads the memory before and after itself: 256 MiB, not the several GiB that a CPU with a large cache reads
+# for a sweep (decodebench/device.py: read_bytes), which would add minutes to `make test`
+os.environ.setdefault("DECODEBENCH_READ_BYTES", str(256 * 2**20))
 
 import pytest
 import torch

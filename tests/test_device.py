@@ -183,3 +183,37 @@ def test_an_accelerator_reads_with_its_float32_sum_alone(monkeypatch):
     assert list(read["reductions"]) == ["sum float32"]
     assert read["method"].startswith("the best of torch sum float32 over")
     assert read["samples"] == read["reductions"]["sum float32"]
+
+
+def test_a_cpu_reads_four_times_its_largest_cache_at_least(tmp_path, monkeypatch):
+    """sysfs's sizes as it writes them (``2048K``, a bare number of bytes): the largest data cache, times four, where it
+    exceeds 256 MiB; 256 MiB where sysfs lists nothing or on another device; ``DECODEBENCH_READ_BYTES`` before both,
+    a bad one refused by name."""
+    from decodebench import device
+
+    monkeypatch.delenv(device.READ_BYTES, raising=False)
+    for index, (kind, level, size) in enumerate((("Instruction", 1, "1G"), ("Data", 1, "48K"), ("Unified", 2, "2048K"),
+                                                 ("Unified", 3, "491520K"))):  # fmt: skip
+        for name, value in (("type", kind), ("level", level), ("size", size)):
+            (tmp_path / f"index{index}").mkdir(exist_ok=True)
+            (tmp_path / f"index{index}" / name).write_text(f"{value}\n")
+    assert device.cache_bytes(caches=tmp_path) == 480 * 2**20  # the largest data cache
+    assert device.cache_bytes(2, tmp_path) == 2 * 2**20
+    assert device.read_bytes("cpu", tmp_path) == 4 * 480 * 2**20
+    assert device.read_bytes("cuda", tmp_path) == 256 * 2**20  # an accelerator's memory: not the host's caches
+    (tmp_path / "index3" / "size").write_text("33554432")  # 32 MiB, in bytes: four of them are under 256 MiB
+    assert device.read_bytes("cpu", tmp_path) == 256 * 2**20
+    assert device.read_bytes("cpu", tmp_path / "none") == 256 * 2**20
+    monkeypatch.setenv(device.READ_BYTES, str(2**21))
+    assert device.read_bytes("cpu", tmp_path) == 2**21
+    monkeypatch.setenv(device.READ_BYTES, "1e9")
+    with pytest.raises(ValueError, match="DECODEBENCH_READ_BYTES='1e9': the bytes a streaming read covers"):
+        device.read_bytes("cpu", tmp_path)
+
+
+def test_the_read_records_the_bytes_it_covered(monkeypatch):
+    from decodebench import device
+
+    monkeypatch.setenv(device.READ_BYTES, str(2**21))
+    read = device.measure_bandwidth(resolve_device("cpu"), repeats=1, copy=False)
+    assert read["bytes"] == 2**21 and "over 2097152 B" in read["method"]
