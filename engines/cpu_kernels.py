@@ -4,7 +4,9 @@
 weight, ``decodebench_bf16::bf16_rows`` (``engines.bf16_cpu``, ``csrc/bf16_rows.cpp``) by a bf16 one; both read a
 weight packed once at load into tiles of 16 outputs, front to back, and share ``csrc/rows.h``;
 ``decodebench_attn::one_query`` (``engines.attention_cpu``, ``csrc/one_query.cpp``) is a decode step's attention;
-``decodebench_norm::rms`` (``engines.norm_cpu``, ``csrc/rms_norm.cpp``) the Rust engine's RMS norm in one operator;
+``decodebench_norm::rms`` (``engines.norm_cpu``, ``csrc/rms_norm.cpp``) the Rust engine's RMS norm in one operator
+(with ``add_rms``, the residual add after it) and ``decodebench_act::gelu_mul`` (``csrc/gelu_mul.cpp``) its MLP's
+activation times ``up``;
 ``decodebench_pick::first_max`` (``engines.greedy_cpu``, ``csrc/first_max.cpp``) the greedy token of a row of logits.
 They are built by torch's C++ extension loader (``main``, at setup: no test or cell compiles them) into
 ``build/`` and registered in C++ (``TORCH_LIBRARY``), so a compiled step calls each as one opaque operator. Where
@@ -27,7 +29,7 @@ from torch import nn
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp", CSRC / "one_query.cpp", CSRC / "rms_norm.cpp",
-           CSRC / "first_max.cpp")  # fmt: skip
+           CSRC / "first_max.cpp", CSRC / "gelu_mul.cpp")  # fmt: skip
 BUILD = Path(__file__).parents[1] / "build" / f"cpu_kernels-torch{torch.__version__.replace('+', '-')}"
 # -fopenmp: ATen's parallel_for is inline code that shares the tiles among torch's threads only when the kernels are
 # compiled with OpenMP; without it every product ran on the calling thread (one core: a one-row bf16 product over a

@@ -147,7 +147,7 @@ class RustEngine(Engine):
                                                      dtype, model.config)  # fmt: skip
         config["one_query"] = self.decode_attention == attention_cpu.OP
         self.norm = norm_cpu.EAGER if norm_cpu.unsupported(self.ctx.device.kind, dtype) else norm_cpu.OP
-        config["rms_norm"] = self.norm == norm_cpu.OP
+        config["rms_norm"] = config["add_rms"] = config["gelu_mul"] = self.norm == norm_cpu.OP
         self.greedy_kernel = greedy_cpu.choose(self.ctx.device.kind, dtype)
         config["first_max"] = self.greedy_kernel == greedy_cpu.OP
         modules = dict(model.named_modules(remove_duplicate=False))
@@ -223,6 +223,8 @@ class RustEngine(Engine):
                      "mode": str(self.ctx.engine_cfg.mode), "torch_tpu_defer_and_fuse": "1" if fused else "0",
                      "last_piece": str(self.ctx.engine_cfg.last_piece), "decode_attention": self.decode_attention,
                      "norm": self.norm, "rope": norm_cpu.ROPE if self.norm == norm_cpu.OP else norm_cpu.EAGER,
+                     "residual": norm_cpu.ADD_RMS if self.norm == norm_cpu.OP else norm_cpu.EAGER,
+                     "gelu": norm_cpu.GELU_MUL if self.norm == norm_cpu.OP else norm_cpu.EAGER,
                      "greedy": self.greedy_kernel,
                      "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
                      "one_row": str(self.one_row), "one_row_choice": self.one_row_choice.record(),

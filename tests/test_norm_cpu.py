@@ -125,3 +125,90 @@ def test_rms_rope_refuses_what_it_cannot_rotate():
         norm_cpu.rms_rope(x, None, 1e-6, cos[:, :1], sin[:, :1])
     with pytest.raises(RuntimeError, match="x: bfloat16 \\[batch, seq, heads, n\\]"):
         norm_cpu.rms_rope(x[0], None, 1e-6, cos, sin)
+
+
+ADD_SHAPES = [(1, 1, 1536), (1, 256, 1536), (3, 7), (2, 33)]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("shape", ADD_SHAPES)
+def test_add_rms_writes_the_eager_residual_bits(shape, scaled):
+    """h + rms(x) (then times a layer's scalar): the bits of the norm as ``rms`` writes it, eager's add and eager's
+    mul, as the Rust engine computed it before (model.rs: ``add_rms``)."""
+    x, weight = inputs(shape, True)
+    h = (torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 30).to(torch.bfloat16)
+    scale = torch.tensor([0.37], dtype=torch.bfloat16) if scaled else None
+    want = h + norm_cpu.rms(x, weight, 1e-6)
+    want = want * scale if scaled else want
+    assert torch.equal(norm_cpu.add_rms(h, x, weight, 1e-6, scale), want)
+
+
+def test_add_rms_refuses_what_it_cannot_add():
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="h and x: bfloat16 \\[..., n\\] of one shape"):
+        norm_cpu.add_rms(x[:, :4], x, None, 1e-6, None)
+    with pytest.raises(RuntimeError, match="scale: bfloat16, one value"):
+        norm_cpu.add_rms(x, x, None, 1e-6, torch.ones(2, dtype=torch.bfloat16))
+
+
+GELU_SHAPES = [(1, 1, 12288), (1, 1, 6144), (1, 1, 256), (1, 256, 6144), (3, 7), (2, 33)]
+
+
+def gelu_inputs(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(sum(shape) + 1)
+    gate = (torch.randn(*shape, generator=generator) * 4).to(torch.bfloat16)  # -16 to 16: both tails of gelu
+    return gate, torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+def test_gelu_mul_is_the_float64_product_rounded_where_eager_rounds(shape):
+    """Each output the float64 gelu_tanh(gate) rounded to bf16, times up, rounded again: within one bf16 step of it
+    (where the float32 gelu lies within its few ulps of a rounding boundary), equal almost everywhere. The reference is
+    x / (1 + exp(-2u)), the same function as 0.5 x (1 + tanh(u)) without its cancellation far below zero (there even
+    float64's tanh(u) is -1 and the product 0)."""
+    gate, up = gelu_inputs(shape)
+    g = gate.double()
+    exact = g / (1 + torch.exp(-2 * 0.7978845608028654 * (g + 0.044715 * g**3)))
+    want = (exact.to(torch.bfloat16).double() * up.double()).to(torch.bfloat16)
+    got = norm_cpu.gelu_mul(gate, up)
+    apart = got != want
+    # u in float32 carries a relative error of a few ulps, which exp turns into |2u| times that: 0.1-0.2 % of gelu's
+    # values (gates of 4 times a normal's) then lie close enough to a bf16 rounding boundary to round the other way
+    assert apart.float().mean() <= 5e-3, f"{int(apart.sum())} of {got.numel()} outputs differ"
+    # one bf16 step at the value; a gelu under 2^-120 in magnitude (a gate below about -10, where exp(-2u) lies beyond
+    # float32's largest or the value under its smallest normal, which the conversion to bf16 flushes) comes out 0, as
+    # eager's does (its tanh(u) is -1 there)
+    step = want.double().abs() * 2.0**-7 + 2.0**-120
+    assert ((got.double() - want.double()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+def test_gelu_mul_writes_eager_gelu_times_up_but_where_aten_loses_digits(shape):
+    """Against eager's two operators (aten's bf16 gelu with its tanh, then mul): equal where gelu is not tiny; where the
+    gate is below -3, aten's 1 + tanh(u) has lost digits to cancellation and the two may differ by more than a step."""
+    gate, up = gelu_inputs(shape)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    got = norm_cpu.gelu_mul(gate, up)
+    plain = gate.float() > -3
+    apart = (got != want) & plain
+    assert apart.float().mean() <= 1e-3, f"{int(apart.sum())} of {got.numel()} outputs differ"
+    step = want.float().abs() * 2.0**-7
+    assert ((got.float() - want.float()).abs()[plain] <= step[plain]).all()
+
+
+def test_gelu_mul_gives_eagers_zeros_and_limits():
+    """gelu(0) = 0, gelu(x) = x far above zero, -0 far below it (its sign kept, as eager's 0.5 x (1 + -1) gives it),
+    infinity at infinity, NaN at -infinity (eager's -inf x 0) and at NaN."""
+    gate = torch.tensor([0.0, 20.0, -20.0, float("inf"), float("-inf"), float("nan")], dtype=torch.bfloat16)
+    got = norm_cpu.gelu_mul(gate, torch.ones_like(gate))
+    want = torch.nn.functional.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got[:4]), torch.signbit(want[:4]))  # a NaN's sign bit means nothing
+
+
+def test_gelu_mul_refuses_what_it_cannot_multiply():
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="gate and up: bfloat16 of one shape"):
+        norm_cpu.gelu_mul(x, x[:, :4])
+    with pytest.raises(RuntimeError, match="gate and up: bfloat16 of one shape"):
+        norm_cpu.gelu_mul(x.float(), x.float())

@@ -183,7 +183,8 @@ def test_shim_int4_lookup_is_the_int4_embedding(group):
 
 
 def test_shim_norm_is_the_python_engines_operator():
-    """The shim's norm is ``decodebench_norm::rms`` itself (found in ATen's dispatcher), with a weight and without."""
+    """The shim's norm is ``decodebench_norm::rms`` itself (found in ATen's dispatcher), with a weight and without; its
+    rotation, residual add (with a layer's scalar and without) and ``gelu_tanh(gate) * up`` the Python engines' too."""
     if reason := norm_cpu.unsupported("cpu", torch.bfloat16):
         pytest.skip(f"{norm_cpu.OP}: {reason}")
     x, weight = torch.randn(2, 3, 40).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
@@ -195,6 +196,11 @@ def test_shim_norm_is_the_python_engines_operator():
         decodebench_rs.shim_op("rms_rope", [heads, weight[:20], cos, sin], [1e-6]),
         norm_cpu.rms_rope(heads, weight[:20], 1e-6, cos, sin),
     )
+    h, scale = torch.randn(2, 3, 40).to(torch.bfloat16), torch.tensor([0.5], dtype=torch.bfloat16)
+    for scaled in ([], [scale]):
+        assert torch.equal(decodebench_rs.shim_op("add_rms", [h, x, weight, *scaled], [1e-6]),
+                           norm_cpu.add_rms(h, x, weight, 1e-6, *scaled or [None]))  # fmt: skip
+    assert torch.equal(decodebench_rs.shim_op("gelu_mul", [h, x], []), norm_cpu.gelu_mul(h, x))
 
 
 def test_shim_first_max_is_the_python_engines_operator():

@@ -10,6 +10,12 @@
 // order); every other operation is the same float32 operation. Rows are shared among threads when there are many
 // (a prompt's piece); a decode step's few rows run on the calling thread.
 //
+// decodebench_norm::add_rms: a residual add after a norm, h + rms(x) (times its weight), then times `scale` where one
+// is given (a layer's scalar), one operator where the Rust engine called three after each attention, MLP and per-layer
+// input (`add_rms` in model.rs: the norm, an add, and after the per-layer input a mul), 105 a decode step on E2B. Each
+// value is rounded as the eager operators round it: the norm's to bf16, then bf16(h + that), then bf16(sum * scale):
+// the same bits.
+//
 // decodebench_norm::rms_rope: a q or k head's norm and then its rotary embedding, one operator where the Rust engine
 // called eight more (narrow twice, neg, cat, mul, mul, add after the norm: `rope` in model.rs), on each query and key
 // head of every layer. Each rotated value is rounded as eager rounds it in bf16: bf16(bf16(y * cos) + bf16(r * sin)),
@@ -48,11 +54,6 @@ DB_TARGET void norm_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t 
   }
 }
 
-// v rounded to bf16 (as store_tile rounds) and widened back: what an eager bf16 operator's result holds.
-DB_TARGET inline __m512 rounded(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // -v with its sign bit flipped, as eager's neg writes it (0 - v would give +0 for +0, and a -0 sum its sign).
 DB_TARGET inline __m512 negated(__m512 v) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
@@ -72,6 +73,16 @@ DB_TARGET void rotate_row(const c10::BFloat16* y, const c10::BFloat16* cos, cons
                                     rounded(_mm512_mul_ps(first, widen(sin + half + d, valid))));
     store_tile(out + d, lo, valid);
     store_tile(out + half + d, hi, valid);
+  }
+}
+
+// y = bf16(h + v) for one row of n values, then (scale given) bf16(y * scale), as eager's add and mul round.
+DB_TARGET void add_row(const c10::BFloat16* h, const c10::BFloat16* v, int64_t n, std::optional<float> scale,
+                       c10::BFloat16* y) {
+  for (int64_t d = 0; d < n; d += kTile) {
+    __m512 sum = _mm512_add_ps(widen(h + d, n - d), widen(v + d, n - d));
+    if (scale.has_value()) sum = _mm512_mul_ps(rounded(sum), _mm512_set1_ps(*scale));
+    store_tile(y + d, sum, n - d);
   }
 }
 
@@ -111,6 +122,32 @@ at::Tensor rms(const at::Tensor& x, const std::optional<at::Tensor>& weight, dou
   });
 }
 
+// h + rms(x) * weight (h and x [..., n] bf16), then times scale (bf16, one value) where given, each sum rounded once
+// to bf16 before the scale.
+at::Tensor add_rms(const at::Tensor& h, const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                   const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(cpu_has_kernels(), "decodebench_norm::add_rms needs ", kInstructionSets, "; this CPU lacks one");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && h.scalar_type() == at::kBFloat16 &&
+                  h.sizes() == x.sizes(),
+              "h and x: bfloat16 [..., n] of one shape, got ", h.sizes(), " and ", x.sizes());
+  TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kBFloat16 && scale->numel() == 1),
+              "scale: bfloat16, one value");
+  const int64_t n = x.size(-1);
+  at::Tensor held;
+  const c10::BFloat16* w = weight_of(weight, n, held);
+  const at::Tensor residual = h.contiguous();
+  const auto* hp = residual.data_ptr<c10::BFloat16>();
+  const std::optional<float> times =  // read where it lies: item() would be one more trip through the dispatcher
+      scale.has_value() ? std::optional<float>(static_cast<float>(*scale->data_ptr<c10::BFloat16>())) : std::nullopt;
+  const float eps_f = static_cast<float>(eps);
+  return each_row(x.contiguous(), [&](int64_t i, const c10::BFloat16* row, c10::BFloat16* y) {
+    thread_local std::vector<c10::BFloat16> normed;  // the normed row as eager's norm leaves it
+    normed.resize(n);
+    norm_row(row, w, n, eps_f, normed.data());
+    add_row(hp + i * n, normed.data(), n, times, y);
+  });
+}
+
 // x [batch, seq, heads, n]: each head's row normed, then rotated by its position's cos and sin ([1 or batch, seq, 1,
 // n] bf16, as Transformers' rotary embedding gives them unsqueezed at the heads).
 at::Tensor rms_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, const at::Tensor& cos,
@@ -146,9 +183,11 @@ at::Tensor rms_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight
 TORCH_LIBRARY(decodebench_norm, m) {
   m.def("rms(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("rms_rope(Tensor x, Tensor? weight, float eps, Tensor cos, Tensor sin) -> Tensor");
+  m.def("add_rms(Tensor h, Tensor x, Tensor? weight, float eps, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodebench_norm, CPU, m) {
   m.impl("rms", &rms);
   m.impl("rms_rope", &rms_rope);
+  m.impl("add_rms", &add_rms);
 }

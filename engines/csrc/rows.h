@@ -96,6 +96,11 @@ DB_TARGET inline __m512 widen(const c10::BFloat16* x, int64_t valid = kTile) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// v rounded to bf16 (as store_tile rounds) and widened back: what an eager bf16 operator's result holds.
+DB_TARGET inline __m512 rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 // A product's [rows, out_features] output in x's dtype, allocated straight from the CPU allocator: at::empty is an
 // operator, a trip through the dispatcher (and a profiler event) for each of a decode step's ~280 products.
 inline at::Tensor output_for(const at::Tensor& x, int64_t out_features) {

@@ -51,6 +51,8 @@ using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tenso
 using RmsNorm = Tensor(const Tensor&, const std::optional<Tensor>&, double);
 using RmsRope = Tensor(const Tensor&, const std::optional<Tensor>&, double, const Tensor&, const Tensor&);
 using FirstMax = Tensor(const Tensor&);
+using AddRms = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, double, const std::optional<Tensor>&);
+using GeluMul = Tensor(const Tensor&, const Tensor&);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> kernel(const char* name) {
@@ -220,6 +222,23 @@ T db_rms_rope(T x, T weight, double eps, T cos, T sin) {
   return guarded([&] {
     static const auto op = kernel<RmsRope>("decodebench_norm::rms_rope");
     return op.call(*x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps, *cos, *sin);
+  });
+}
+
+// h + rms(x) (times weight), then times scale where given, in one operator: decodebench_norm::add_rms (the same file).
+T db_add_rms(T h, T x, T weight, double eps, T scale) {
+  return guarded([&] {
+    static const auto op = kernel<AddRms>("decodebench_norm::add_rms");
+    return op.call(*h, *x, weight ? std::optional<Tensor>(*weight) : std::nullopt, eps,
+                   scale ? std::optional<Tensor>(*scale) : std::nullopt);
+  });
+}
+
+// gelu_tanh(gate) * up in one operator: decodebench_act::gelu_mul (engines/csrc/gelu_mul.cpp).
+T db_gelu_mul(T gate, T up) {
+  return guarded([&] {
+    static const auto op = kernel<GeluMul>("decodebench_act::gelu_mul");
+    return op.call(*gate, *up);
   });
 }
 

@@ -63,6 +63,8 @@ extern "C" {
     fn db_rms(x: Raw, weight: Raw, eps: f64) -> Raw;
     fn db_first_max(x: Raw) -> Raw;
     fn db_rms_rope(x: Raw, weight: Raw, eps: f64, cos: Raw, sin: Raw) -> Raw;
+    fn db_add_rms(h: Raw, x: Raw, weight: Raw, eps: f64, scale: Raw) -> Raw;
+    fn db_gelu_mul(gate: Raw, up: Raw) -> Raw;
 }
 
 /// An error raised by ATen, with its message.
@@ -197,13 +199,13 @@ impl Tensor {
     pub fn one_query(q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
         wrap(unsafe { db_one_query(q.0, k.0, v.0, keep.0, scale) })
     }
-    /// x [..., n] bf16 over the root of its mean square plus eps, times `weight` [n] where given, in float32,
-    /// rounded once: decodebench_norm::rms.
     /// The index of the first largest value along the last dim (a dim of 1 kept), as `argmax_last` gives it, by the
     /// project's decodebench_pick::first_max.
     pub fn first_max(&self) -> Result<Tensor> {
         wrap(unsafe { db_first_max(self.0) })
     }
+    /// x [..., n] bf16 over the root of its mean square plus eps, times `weight` [n] where given, in float32,
+    /// rounded once: decodebench_norm::rms.
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         wrap(unsafe { db_rms(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps) })
     }
@@ -212,5 +214,15 @@ impl Tensor {
     /// decodebench_norm::rms_rope.
     pub fn rms_rope(&self, weight: Option<&Tensor>, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         wrap(unsafe { db_rms_rope(self.0, weight.map_or(std::ptr::null_mut(), |w| w.0), eps, cos.0, sin.0) })
+    }
+    /// self + `x` normed as `rms_norm` does (self and x [..., n] bf16), then times `scale` (bf16, one value) where
+    /// given, each rounded to bf16 as eager's operators round them: decodebench_norm::add_rms.
+    pub fn add_rms(&self, x: &Tensor, weight: Option<&Tensor>, eps: f64, scale: Option<&Tensor>) -> Result<Tensor> {
+        let (w, s) = (weight.map_or(std::ptr::null_mut(), |w| w.0), scale.map_or(std::ptr::null_mut(), |s| s.0));
+        wrap(unsafe { db_add_rms(self.0, x.0, w, eps, s) })
+    }
+    /// gelu_tanh(self) * `up` (bf16, one shape), rounded where eager's two operators round: decodebench_act::gelu_mul.
+    pub fn gelu_mul(&self, up: &Tensor) -> Result<Tensor> {
+        wrap(unsafe { db_gelu_mul(self.0, up.0) })
     }
 }

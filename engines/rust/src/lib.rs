@@ -65,6 +65,8 @@ fn config(d: &PyDict) -> PyResult<Config> {
         one_query: get(d, "one_query")?,
         rms_norm: get(d, "rms_norm")?,
         first_max: get(d, "first_max")?,
+        add_rms: get(d, "add_rms")?,
+        gelu_mul: get(d, "gelu_mul")?,
     })
 }
 
@@ -274,6 +276,8 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
         "sdpa" => Tensor::sdpa(&t[0], &t[1], &t[2], &t[3], s(0)?),
         "rms_norm" => t[0].rms_norm(t.get(1), s(0)?),
         "rms_rope" => t[0].rms_rope(Some(&t[1]), s(0)?, &t[2], &t[3]),
+        "add_rms" => t[0].add_rms(&t[1], Some(&t[2]), s(0)?, t.get(3)),
+        "gelu_mul" => t[0].gelu_mul(&t[1]),
         _ => return Err(PyValueError::new_err(format!("no shim operation {name}"))),
     };
     to_python(py, &out.map_err(|e| PyRuntimeError::new_err(e.0))?)

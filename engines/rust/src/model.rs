@@ -45,6 +45,10 @@ pub struct Config {
     pub rms_norm: bool,
     /// Each token picked by the project's decodebench_pick::first_max, argmax to the bit (engines/greedy_cpu.py).
     pub first_max: bool,
+    /// Each residual add after a norm by the project's decodebench_norm::add_rms, one operator in place of two or three.
+    pub add_rms: bool,
+    /// gelu_tanh(gate) * up by the project's decodebench_act::gelu_mul, one operator in place of two.
+    pub gelu_mul: bool,
 }
 
 /// A layer's q, k and v products (k and v only where the layer owns a cache): one product whose outputs are q's,
@@ -251,6 +255,27 @@ impl Model {
         out.to_like(x)
     }
 
+    /// h + x normed (its weight), then times `scale` where given: the residual add after a norm, by
+    /// decodebench_norm::add_rms where the config says so.
+    fn add_rms(&self, h: &Tensor, x: &Tensor, weight: &Tensor, scale: Option<&Tensor>) -> Result<Tensor> {
+        if self.cfg.add_rms {
+            return h.add_rms(x, Some(weight), self.cfg.eps, scale);
+        }
+        let sum = h.add(&self.rms(x, Some(weight))?)?;
+        match scale {
+            Some(s) => sum.mul(s),
+            None => Ok(sum),
+        }
+    }
+
+    /// gelu_tanh(gate) * up, by decodebench_act::gelu_mul where the config says so.
+    fn gelu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if self.cfg.gelu_mul {
+            return gate.gelu_mul(up);
+        }
+        gate.gelu_tanh()?.mul(up)
+    }
+
     /// A q or k head's norm (its weight) and then its rotary embedding, x [1, seq, heads, head_dim].
     fn rms_rope(&self, x: &Tensor, weight: &Tensor, cos_sin: &(Tensor, Tensor)) -> Result<Tensor> {
         if self.cfg.rms_norm {
@@ -289,7 +314,7 @@ impl Model {
                 (both.narrow(-1, 0, width)?, both.narrow(-1, width, width)?)
             }
         };
-        gate.gelu_tanh()?.mul(&up)?.linear(&layer.down, mv)
+        self.gelu_mul(&gate, &up)?.linear(&layer.down, mv)
     }
 
     fn begin(&mut self, positions: Tensor, valid: &Tensor, hidden: &Tensor) -> Result<Step> {
@@ -371,12 +396,12 @@ impl Model {
         for i in 0..self.layers.len() {
             let layer = &self.layers[i];
             let attn = self.attention(i, &self.rms(&h, Some(&layer.input_norm))?, &step)?;
-            h = h.add(&self.rms(&attn, Some(&layer.post_attention_norm))?)?;
+            h = self.add_rms(&h, &attn, &layer.post_attention_norm, None)?;
             let x = self.rms(&h, Some(&layer.pre_ff_norm))?;
             let mlp = self.mlp(layer, &x)?;
-            h = h.add(&self.rms(&mlp, Some(&layer.post_ff_norm))?)?;
-            let g = h.linear(&layer.ple_gate, mv)?.gelu_tanh()?.mul(&ple.select(2, i as i64)?)?.linear(&layer.ple_projection, mv)?;
-            h = h.add(&self.rms(&g, Some(&layer.post_ple_norm))?)?.mul(&layer.scalar)?;
+            h = self.add_rms(&h, &mlp, &layer.post_ff_norm, None)?;
+            let g = self.gelu_mul(&h.linear(&layer.ple_gate, mv)?, &ple.select(2, i as i64)?)?.linear(&layer.ple_projection, mv)?;
+            h = self.add_rms(&h, &g, &layer.post_ple_norm, Some(&layer.scalar))?;
         }
         let last = self.rms(&h.narrow(1, row, 1)?, Some(&self.final_norm))?;
         let logits = last.linear(&self.lm_head, mv)?.reshape(&[1, -1])?;
