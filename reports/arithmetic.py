@@ -306,7 +306,7 @@ def bytes_per_token(
     position: int,
     weights: str = "dense",
     batch: int = 1,
-    held: dict[str, int] | None = None,
+    product_bytes: dict[str, int] | None = None,
 ) -> tuple[float, float, dict[str, float]]:
     """Weights read per decoded token (at the engine's resident precision) and KV read at ``position``, in bytes.
 
@@ -314,7 +314,7 @@ def bytes_per_token(
     MLP width). Linears and lm_head are read whole each step, once for the ``batch`` sequences of the step (so
     a token's share is 1/batch of them); the two embedding tables are gathered (one row each, a token); each
     layer reads its source cache over min(position, window) sliding or position full slots, a sequence its own.
-    The linears' and ``lm_head``'s bytes are ``held`` where the engine counted them from its own tensors
+    The linears' and ``lm_head``'s bytes are ``product_bytes`` where the engine counted them from its own tensors
     (``engines.product_bytes``: ``linears`` and ``lm_head``, B), else every weight of the shape at
     ``HELD_BYTES[weights]`` bytes. Returns the weights' bytes a token, the KV bytes a token, and ``parts``: what one
     step reads of each (linears and lm_head whole).
@@ -324,13 +324,13 @@ def bytes_per_token(
     for layer in layers:
         slots = position if layer["type"] == "full_attention" else min(position, window)
         kv += 2 * layer["kv_heads"] * layer["head_dim"] * dtype_bytes * slots
-    if held is None:
+    if product_bytes is None:
         width = HELD_BYTES[weights](dtype_bytes)  # bytes a weight is read at
         step = weights_per_step(shape, layers)
-        held = {"linears": step["linears"] * width, "lm_head": step["lm_head"] * width}
+        product_bytes = {"linears": step["linears"] * width, "lm_head": step["lm_head"] * width}
     parts = {
-        "linears": float(held["linears"]),
-        "lm_head": float(held["lm_head"]),
+        "linears": float(product_bytes["linears"]),
+        "lm_head": float(product_bytes["lm_head"]),
         "embedding rows": (h + len(layers) * ple) * dtype_bytes,
     }
     return (parts["linears"] + parts["lm_head"]) / batch + parts["embedding rows"], kv, parts
@@ -357,21 +357,21 @@ def token_bytes(
     max_new_tokens: Any,
     weights: str,
     batch: int = 1,
-    held: dict[str, int] | None = None,
+    product_bytes: dict[str, int] | None = None,
 ) -> TokenBytes | None:
     """``bytes_per_token`` of a cell from its evidence (the model block's shape and layers, its dtype, prompt
-    and N, the bytes its products read as the engine counted them, ``held``, else how the linears are held:
+    and N, the bytes its products read as the engine counted them, ``product_bytes``, else how the linears are held:
     ``HELD_BYTES``); None when the evidence lacks the layout or the prompt's length, or names a holding this module
     cannot count and no count of the engine's."""
     if not model.get("layers") or _missing(prompt_tokens) or _missing(max_new_tokens) or dtype not in DTYPE_BYTES:
         return None
     position = int(prompt_tokens + max_new_tokens // 2)
-    held = held if isinstance(held, dict) else None
-    if held is None and weights not in HELD_BYTES:
+    product_bytes = product_bytes if isinstance(product_bytes, dict) else None  # NaN where a cell has none
+    if product_bytes is None and weights not in HELD_BYTES:
         return None
     weight, kv, parts = bytes_per_token(model["shape"], model["layers"], DTYPE_BYTES[dtype], position, weights, batch,
-                                        held)  # fmt: skip
-    return TokenBytes(weight + kv, kv, parts, position, counted=held is not None)
+                                        product_bytes)  # fmt: skip
+    return TokenBytes(weight + kv, kv, parts, position, counted=product_bytes is not None)
 
 
 def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
