@@ -325,6 +325,15 @@ def test_a_short_last_piece_writes_the_same_tokens(cell_cfg, tiny, last_piece):
         assert out["first_difference"] is None and out["kl_max"] < 1e-6, name
 
 
+def test_forward_runs_in_inference_mode(engine):
+    """A forward's operators run under ATen's inference mode (no autograd dispatch or bookkeeping): the one token's
+    logits a decode returns are an inference tensor, and the thread's mode is as it was once the decode returns."""
+    assert not torch.is_inference_mode_enabled()
+    _, _, logits = engine.native.decode(PROMPT, 1, return_logits=True)
+    assert logits.is_inference()
+    assert not torch.is_inference_mode_enabled()
+
+
 def test_last_rows_reads_fewer_rows_and_the_same_tokens(engine):
     """The same tokens and logits for a 10-token prompt read as its 10 rows, 16, or a whole piece of 256; a count
     below the last piece's tokens or above a piece is a ValueError."""

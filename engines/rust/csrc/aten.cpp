@@ -3,6 +3,7 @@
 // `db_last_error`, so no exception ever unwinds into Rust.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/version.h>
 
@@ -82,6 +83,12 @@ T db_from_python(PyObject* o) {
   return guarded([&] { return THPVariable_Unpack(o); });
 }
 PyObject* db_to_python(T t) { return THPVariable_Wrap(*t); }
+
+// c10::InferenceMode on the calling thread until db_inference_mode_end gets the guard back (on that thread, guards
+// ended in the reverse order they began): every operator skips autograd's dispatch and bookkeeping (version counters,
+// view records) and makes inference tensors. Nothing here throws but the allocation (noexcept: that ends the process).
+void* db_inference_mode() noexcept { return new c10::InferenceMode(); }
+void db_inference_mode_end(void* guard) { delete static_cast<c10::InferenceMode*>(guard); }
 
 // Arithmetic
 // one_row_mv: a single row (a decode step) goes through at::mv, ATen's matrix-vector kernel, instead of

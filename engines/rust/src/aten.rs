@@ -65,6 +65,8 @@ extern "C" {
     fn db_rms_rope(x: Raw, weight: Raw, eps: f64, cos: Raw, sin: Raw) -> Raw;
     fn db_add_rms(h: Raw, x: Raw, weight: Raw, eps: f64, scale: Raw) -> Raw;
     fn db_gelu_mul(gate: Raw, up: Raw) -> Raw;
+    fn db_inference_mode() -> Raw;
+    fn db_inference_mode_end(guard: Raw);
 }
 
 /// An error raised by ATen, with its message.
@@ -78,6 +80,23 @@ fn last_error() -> AtenError {
 
 pub fn torch_version() -> String {
     unsafe { CStr::from_ptr(db_torch_version()) }.to_string_lossy().into_owned()
+}
+
+/// ATen's inference mode (`c10::InferenceMode`) on the calling thread while this lives: the operators run without
+/// autograd's dispatch and bookkeeping, and the tensors they make are inference tensors. Bound to its thread (a raw
+/// pointer is neither `Send` nor `Sync`); guards end in the reverse order they began, as scopes end.
+pub struct InferenceMode(Raw);
+
+impl InferenceMode {
+    pub fn begin() -> InferenceMode {
+        InferenceMode(unsafe { db_inference_mode() })
+    }
+}
+
+impl Drop for InferenceMode {
+    fn drop(&mut self) {
+        unsafe { db_inference_mode_end(self.0) }
+    }
 }
 
 /// An owned `at::Tensor` handle.

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::aten::{AtenError, Result, Tensor};
+use crate::aten::{AtenError, InferenceMode, Result, Tensor};
 use crate::weights::{Linear, Table, Weights};
 
 /// One decoder layer's geometry.
@@ -365,26 +365,27 @@ impl Model {
         }
         // A decode step folds the query heads that share a K/V head into the query length: the same
         // products as grouped-query attention, one matrix product per K/V head (engines/ring.py).
-        // Only for a decode step: a prompt piece keeps grouped-query attention (its mask would grow G times).
+        // Only for a decode step: a prompt piece keeps grouped-query attention (its mask would grow G times). With one
+        // query position, q [1, 1, heads, D] is the folded [1, KV, groups, D] as it lies (query head h reads K/V head
+        // h / groups), and the output [1, KV, groups, D] is [1, 1, heads x D].
         let (k, v) = (&self.ring.k[&spec.source], &self.ring.v[&spec.source]);
         let out = if seq == 1 {
-            let heads = q.size(2);
-            let groups = heads / spec.kv_heads;
-            let folded = q.transpose(1, 2)?.reshape(&[1, spec.kv_heads, groups, spec.head_dim])?;
-            let out = if self.cfg.one_query {  // the step's one mask row, seen by every query row: broadcast, not copied
+            let groups = q.size(2) / spec.kv_heads;
+            let folded = q.reshape(&[1, spec.kv_heads, groups, spec.head_dim])?;
+            if self.cfg.one_query {  // the step's one mask row, seen by every query row: broadcast, not copied
                 Tensor::one_query(&folded, k, v, &step.masks[kind].reshape(&[1, 1, -1])?.expand(&[1, groups, -1])?, 1.0)?
             } else {
                 Tensor::sdpa(&folded, k, v, &step.masks[kind].repeat(&[1, 1, groups, 1])?, 1.0)?
-            };
-            out.reshape(&[1, heads, 1, spec.head_dim])?
+            }
         } else {
-            Tensor::sdpa(&q.transpose(1, 2)?, k, v, &step.masks[kind], 1.0)?
+            Tensor::sdpa(&q.transpose(1, 2)?, k, v, &step.masks[kind], 1.0)?.transpose(1, 2)?
         };
-        out.transpose(1, 2)?.reshape(&[1, seq, -1])?.linear(&layer.o_proj, mv)
+        out.reshape(&[1, seq, -1])?.linear(&layer.o_proj, mv)
     }
 
     /// One forward over `ids` at `positions` (padding rows have `valid` false); logits [1, V] of `row`.
     fn forward(&mut self, ids: &Tensor, positions: Tensor, valid: &Tensor, row: i64) -> Result<Tensor> {
+        let _inference = InferenceMode::begin(); // no autograd work in any operator of the forward
         let seq = ids.numel();
         let (hidden, ple_dim, layers) = (self.cfg.hidden, self.cfg.ple_dim, self.cfg.layers.len() as i64);
         let mv = self.cfg.one_row_mv;
