@@ -64,6 +64,31 @@ def test_one_query_is_the_float64_attention_rounded_once(batch, heads, rows, slo
 
 
 @pytest.mark.usefixtures("_runs_here")
+@pytest.mark.parametrize(("first", "end"), [(0, 320), (500, 800), (1000, 1024)])
+def test_a_decode_steps_span_of_slots_with_gemmas_unit_scale(first, end):
+    """A decode step's one mask row (broadcast to the 8 rows) sees slots [first, end) of a full layer's 1024 of 512,
+    two threads sharing that span; at Gemma's scale of 1 a fifth of the weights fall below exp(-87), taken as 0: the
+    float64 attention rounded once all the same, and no slot outside the span read (NaN there)."""
+    generator = torch.Generator().manual_seed(first)
+    q = torch.randn(1, 1, 8, 512, generator=generator).to(torch.bfloat16)
+    keys, values = (torch.randn(1, 1, 1024, 512, generator=generator).to(torch.bfloat16) for _ in range(2))
+    keep = torch.zeros(1, 1, 1024, dtype=torch.bool)
+    keep[..., first:end] = True
+    keep = keep.expand(1, 8, 1024)
+    want = reference(q, keys, values, keep, 1.0)
+    bound = want.abs() * 2.0**-8 + values.double().abs().amax() * (end - first) * 2.0**-24
+    keys[:, :, :first], values[:, :, :first] = float("nan"), float("nan")
+    keys[:, :, end:], values[:, :, end:] = float("nan"), float("nan")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = attention_cpu.one_query(q, keys, values, keep, 1.0).double()
+    finally:
+        torch.set_num_threads(threads)
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
+@pytest.mark.usefixtures("_runs_here")
 def test_one_query_gives_zeros_to_a_row_that_sees_no_slot():
     q, keys, values = (torch.randn(1, 1, n, 64).to(torch.bfloat16) for n in (2, 100, 100))
     keep = torch.ones(1, 2, 100, dtype=torch.bool)

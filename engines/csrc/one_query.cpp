@@ -7,7 +7,8 @@
 // score per slot (q . k: bf16 products exact in float32, vdpbf16ps, summed in float32, times the scale; each K row
 // loaded once for the eight rows) and each row's largest, then exp(score - largest) times the slot's V summed in
 // float32 (each V row widened once for the eight rows, the sums held in registers). The threads share each head's
-// slots in parts (each K and V row read from memory once, for all the head's query rows), joined by their largest
+// span of slots some row may see in parts (each K and V row read from memory once, for all the head's query rows;
+// a weight below exp(-87) is 0, never a subnormal), joined by their largest
 // scores as flash-decoding does, divided once by the sum of the weights and rounded to bf16 once. A row that may
 // see no slot gets zeros (a decode step always sees its own). The rows' flags (keep) may be one row's, broadcast:
 // a decode step's mask is the same for every query row.
@@ -64,6 +65,12 @@ DB_TARGET void scores_of(const c10::BFloat16* q, int64_t q_step, const c10::BFlo
   }
 }
 
+// A weight exp(score - largest) below exp(-87) (1.6e-38, just above float32's least normal) is taken as 0: never a
+// subnormal, whose every product with a V row costs a microcode assist on x86 (on the 2-core Xeon of family 6 model
+// 207, one_query over 320 of 1024 slots of 512 took 520-760 us with them, 117 with the CPU flushing them to zero). Its
+// share of a row's sum, whose largest weight is 1, is below float32's resolution.
+constexpr float kLeastExponent = -87.0f;
+
 constexpr int64_t kSlotBlock = 64;  // V rows add_weighted takes at a time: 64 KiB at 512 dims, kept in L2 across columns
 
 // acc[r * dim_v + d] += weights[r * n + i] * (V slot first + i)[d] for R rows, slot after slot (the order of each
@@ -119,7 +126,8 @@ DB_TARGET void attend_part(const c10::BFloat16* q, int64_t q_step, const c10::BF
         }
         float& total = part.total[r0 + r];
         for (int64_t i = 0; i < n; ++i) {
-          row[i] = visible[i] ? std::exp(row[i] - largest) : 0.0f;
+          const float below = row[i] - largest;
+          row[i] = visible[i] && below > kLeastExponent ? std::exp(below) : 0.0f;
           total += row[i];
         }
       }
@@ -162,16 +170,32 @@ at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool* keep_p = visible.data_ptr<bool>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const float scale_f = static_cast<float>(scale);
-  // Each K/V head's slots in parts, every thread a part at a time; the parts of a head are then joined.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), slots / kMinPart));
-  const int64_t part_slots = (slots + parts - 1) / parts;
+  // The span of slots some row may see, [first_seen, end_seen): the parts share it, not the whole cache (a decode
+  // step early in its cache sees the first slots only: parts of the whole cache gave them all to one thread).
+  int64_t first_seen = slots, end_seen = 0;
+  const int64_t keep_rows = visible.stride(1) == 0 ? 1 : rows;  // a broadcast row is read once
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t r = 0; r < keep_rows; ++r) {
+      const bool* flags = keep_p + b * visible.stride(0) + r * visible.stride(1);
+      for (int64_t i = 0; i < slots; ++i) {
+        if (!flags[i]) continue;
+        first_seen = std::min(first_seen, i);
+        end_seen = std::max(end_seen, i + 1);
+      }
+    }
+  }
+  const int64_t span = std::max<int64_t>(0, end_seen - first_seen);
+  // Each K/V head's span in parts, every thread a part at a time; the parts of a head are then joined.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), span / kMinPart));
+  const int64_t part_slots = (span + parts - 1) / parts;
   std::vector<Partial> partials(batch * heads * parts, Partial(rows, dim_v));
   at::parallel_for(0, batch * heads * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (heads * parts), h = i / parts % heads, p = i % parts;
       attend_part(qp + b * q.stride(0) + h * q.stride(1), q.stride(2), kp + b * k.stride(0) + h * k.stride(1),
                   k.stride(2), vp + b * v.stride(0) + h * v.stride(1), v.stride(2), keep_p + b * visible.stride(0),
-                  visible.stride(1), rows, p * part_slots, std::min(slots, (p + 1) * part_slots), dim_k, dim_v, scale_f,
+                  visible.stride(1), rows, first_seen + p * part_slots, first_seen + std::min(span, (p + 1) * part_slots),
+                  dim_k, dim_v, scale_f,
                   partials[i]);
     }
   });
@@ -183,8 +207,9 @@ at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t p = 0; p < parts; ++p) {
         const Partial& part = partials[bh * parts + p];
-        if (part.total[r] == 0.0f) continue;  // a part with no visible slot
-        const float factor = std::exp(part.largest[r] - largest);
+        const float below = part.largest[r] - largest;
+        if (part.total[r] == 0.0f || below <= kLeastExponent) continue;  // no visible slot, or a share below resolution
+        const float factor = std::exp(below);
         total += part.total[r] * factor;
         for (int64_t d = 0; d < dim_v; ++d) acc[d] += part.acc[r * dim_v + d] * factor;
       }
