@@ -195,8 +195,7 @@ at::Tensor one_query(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       attend_part(qp + b * q.stride(0) + h * q.stride(1), q.stride(2), kp + b * k.stride(0) + h * k.stride(1),
                   k.stride(2), vp + b * v.stride(0) + h * v.stride(1), v.stride(2), keep_p + b * visible.stride(0),
                   visible.stride(1), rows, first_seen + p * part_slots, first_seen + std::min(span, (p + 1) * part_slots),
-                  dim_k, dim_v, scale_f,
-                  partials[i]);
+                  dim_k, dim_v, scale_f, partials[i]);
     }
   });
   std::vector<float> acc(dim_v);
