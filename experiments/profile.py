@@ -16,9 +16,12 @@ Operators fall into classes a reader can act on:
   proportion to how many linears of each the model has; in JAX, by the linear's named scope);
 * ``attention``: the attention products and softmax; ``table lookups``: embedding and index reads;
 * ``logits and argmax``: the ``lm_head`` product, the soft cap and the argmax;
-* ``norms and elementwise``: every other operator (with a compiled step, its fused kernels);
-* ``host: dispatch and wrappers``: TorchDynamo's cache lookup, compiled-region wrappers, tensor metadata
-  (in JAX: a program's dispatch on the calling thread while no operation runs);
+* ``norms and elementwise``: every other operator (with a step compiled by TorchInductor on a CPU, its fused kernels:
+  the cell compiles with ``cpp.enable_kernel_profile``, so each kernel is an operator of its own, not part of the
+  self time of the code that calls it);
+* ``host: dispatch and wrappers``: TorchDynamo's cache lookup, compiled-region wrappers (TorchInductor's code between
+  its kernels, ``## Call CompiledFxGraph``), tensor metadata (in JAX: a program's dispatch on the calling thread while
+  no operation runs);
 * ``host: between operators``: the unprofiled step time (warm pairs in this cell, as ``decode`` measures
   it) less everything above: Python, dispatch and read-backs outside any operator, and, when negative,
   the profiler's own overhead inside them (stated as is).
@@ -44,6 +47,7 @@ import statistics
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +73,8 @@ ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "a
              "decodebench_attn::one_query")  # fmt: skip
 LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
 LOGITS = ("aten::argmax", "aten::tanh")
-HOST = ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher", "aten::empty", "aten::empty_strided",
+HOST = ("TorchDynamo", "Torch-Compiled Region", "## Call CompiledFxGraph", "Pregraph", "AOTDispatcher", "aten::empty",
+        "aten::empty_strided",
         "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
         "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
         "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_",
@@ -194,6 +199,16 @@ class TorchProfile:
                        for op, times in by_product.items() if sum(times.values()) > 0}  # fmt: skip
 
     @staticmethod
+    def compiling() -> AbstractContextManager[Any]:
+        """Where the cell compiles and runs: TorchInductor's CPU kernels each recorded as an operator
+        (``cpp.enable_kernel_profile``: a ``RECORD_FUNCTION`` in each, a check of a flag while no profiler runs).
+        Without it a fused kernel's time is the self time of the compiled step's wrapper that calls it, so the
+        wrapper's own Python would be counted as norms and elementwise (on the int4 ring on E2B: 7 ms a token)."""
+        import torch._inductor.config  # TorchInductor's import is heavy: only where a torch engine is profiled
+
+        return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
+    @staticmethod
     def shaped(call: Callable[[], Any], trace: Path | None) -> dict[tuple[str, str], tuple[int, float]]:
         """``call`` once under the profiler with input shapes: (product, its input shapes as JSON) -> (calls,
         self microseconds) for every matrix product; the raw trace (gzip) to ``trace``."""
@@ -259,9 +274,15 @@ def interval_text(ratio: Interval) -> str:
 
 
 def run(cell: Cell) -> Result:
-    cfg = cell.cfg
     if not issubclass(cell.opened.cls, SteppedEngine) and cell.opened.name != "rust":
         raise EngineLimit(f"experiment=profile needs an engine that steps; engine {cell.opened.name} does not")
+    with PROFILES[cell.opened.cls.framework].compiling():
+        return profiled(cell)
+
+
+def profiled(cell: Cell) -> Result:
+    """The profile of a loaded engine's warm pairs (module docstring), compiled as its framework's profile says."""
+    cfg = cell.cfg
     n = cfg.max_new_tokens
     ids = cell.opened.encode(cfg.prompt)
     cell.require_fit(len(ids))

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,11 @@ class JaxProfile:
         self.classes: dict[str, str] = {}
         for text in engine.program_texts().values():  # the step's names win where two programs share one
             self.classes.update(instruction_classes(text))
+
+    @staticmethod
+    def compiling() -> AbstractContextManager[Any]:
+        """Where the cell compiles and runs: as it is (XLA's operations are the trace's events already)."""
+        return nullcontext()
 
     def prepare(self, one: Callable[[], Any], many: Callable[[], Any], trace: Path | None) -> None:
         """The raw trace (gzip) of the N-token call ``many`` once under the profiler to ``trace``; no call without

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from engines.base import Generation
 from engines.one_row import swap_dense_linears
 from experiments import profile as profile_module
 from experiments.decode import warm_pairs
-from experiments.profile import CLASSES, WEIGHT_KINDS, TorchProfile, account
+from experiments.profile import CLASSES, DISPATCH, WEIGHT_KINDS, TorchProfile, account, classify
 from experiments.profile_jax import instruction_classes, wall_split
 from reports import render
 from reports.tables.profile import profile_table
@@ -214,3 +215,19 @@ def test_the_operators_answer_to_their_own_calls_and_to_the_unprofiled_step_beyo
     assert not step["holds"] and "no interval" in step["detail"], "one pair: the ratio itself is held to 5%"
     _, _, (calls, _) = account([0.01, 0.01], [-0.02, -0.01], [0.2, 0.2])
     assert not calls["holds"], "a profiled step at or under zero (noise) holds nothing"
+
+
+def test_a_compiled_steps_kernels_are_operators_and_its_wrapper_is_host_time():
+    """Under the profile's compile, each TorchInductor kernel is an operator of its own (norms and elementwise) and
+    the code that calls them is host time, not the other way round."""
+    x = torch.randn(4, 64)
+    compiled = torch.compile(lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6), backend="inductor")
+    with TorchProfile.compiling():
+        compiled(x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            compiled(x)
+    classes = {e.key: classify(e.key, [], {}) for e in prof.key_averages()}
+    kernels = [k for k in classes if "cpp_fused" in k]
+    wrappers = [k for k in classes if k.startswith("## Call CompiledFxGraph")]
+    assert kernels and all(classes[k] == {"norms and elementwise": 1.0} for k in kernels)
+    assert wrappers and all(classes[k] == {DISPATCH: 1.0} for k in wrappers)
