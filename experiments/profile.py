@@ -74,10 +74,9 @@ ATTENTION = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "a
 LOOKUPS = ("aten::embedding", "aten::index_select", "aten::index", "aten::gather")
 LOGITS = ("aten::argmax", "aten::tanh")
 HOST = ("TorchDynamo", "Torch-Compiled Region", "## Call CompiledFxGraph", "Pregraph", "AOTDispatcher", "aten::empty",
-        "aten::empty_strided",
-        "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape", "aten::_unsafe_view", "aten::expand",
-        "aten::t", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::permute",
-        "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_",
+        "aten::empty_strided", "aten::view", "aten::as_strided", "aten::transpose", "aten::reshape",
+        "aten::_unsafe_view", "aten::expand", "aten::t", "aten::select", "aten::slice", "aten::unsqueeze",
+        "aten::squeeze", "aten::permute", "aten::detach", "aten::lift_fresh", "aten::alias", "aten::resize_",
         "decodebench::one_row_mv")  # fmt: skip  # the custom operator's own dispatch; its aten::mv is a product
 Shapes = dict[tuple[int, int], dict[str, int]]  # (in, out) features -> how many linears of each weight class
 OPERATOR_SLACK = 0.05  # the profiled operators may exceed the unprofiled step by this share (timer noise)
@@ -330,8 +329,9 @@ def profiled(cell: Cell) -> Result:
     own, beside, checks = account(operator_sums, profiled_steps, pairs.steps)
     result = Result(timers={
         "step_ms": "1 / median (N-1)/(T_N-T_1) of warm pairs, unprofiled, this cell",
-        "classes": "each class's profiled time (torch: operator self time; jax: wall time split among the "
-                   "operations running at once), N-token call less 1-token call, over N-1",
+        "classes": "each class's profiled time (torch: operator self time, each TorchInductor CPU kernel an operator "
+                   "of its own by cpp.enable_kernel_profile; jax: wall time split among the operations running at "
+                   "once), N-token call less 1-token call, over N-1",
     })  # fmt: skip
     result.measurements.update(
         step_ms=scalar(step_s * 1e3, "ms", method="unprofiled warm pairs in this cell", pairs=len(pairs.rates)),
