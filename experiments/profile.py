@@ -275,12 +275,14 @@ def interval_text(ratio: Interval) -> str:
 def run(cell: Cell) -> Result:
     if not issubclass(cell.opened.cls, SteppedEngine) and cell.opened.name != "rust":
         raise EngineLimit(f"experiment=profile needs an engine that steps; engine {cell.opened.name} does not")
-    with PROFILES[cell.opened.cls.framework].compiling():
-        return profiled(cell)
+    kind = PROFILES[cell.opened.cls.framework]
+    with kind.compiling():
+        return profiled(cell, kind)
 
 
-def profiled(cell: Cell) -> Result:
-    """The profile of a loaded engine's warm pairs (module docstring), compiled as its framework's profile says."""
+def profiled(cell: Cell, kind: type[TorchProfile] | type[JaxProfile]) -> Result:
+    """The profile of the cell's engine (module docstring) by its framework's profile ``kind``, inside
+    ``kind.compiling()``."""
     cfg = cell.cfg
     n = cfg.max_new_tokens
     ids = cell.opened.encode(cfg.prompt)
@@ -288,7 +290,7 @@ def profiled(cell: Cell) -> Result:
     cell.load()
     first = cell.call(ids, n)  # compile and warm up
     estimates: dict[str, list[float]] = defaultdict(list)
-    profiler = PROFILES[cell.opened.cls.framework](cell.engine)
+    profiler = kind(cell.engine)
     trace, trace_name = cell.beside(".trace.json.gz") if cfg.experiment.trace else (None, None)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
