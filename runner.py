@@ -27,7 +27,7 @@ from decodebench.config import register_configs as register_core
 from decodebench.device import DeviceHeld, DeviceUnavailable, resolve_device, tpu_present
 from decodebench.environment import Contention, capture
 from decodebench.files import cannot_write, disk_of
-from engines import ENGINES, engine_class, takers
+from engines import ENGINES, cpu_kernels, engine_class, takers
 from engines import register_configs as register_engines
 from engines.base import EngineLimit
 from engines.open import open_engine
@@ -282,8 +282,9 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
     engine_cls = engine_class(run.engine.name) if experiment.engine else None
     device = resolve_device(run.device.kind, engine_cls.framework if engine_cls else "torch")
     record.environment = capture(device)
-    record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep))
-    around = {"before": hardware.read_now(device)} if record.hardware["bandwidth_source"] == "measured" else None
+    reads = cpu_kernels.reads(device)  # the project's stream read beside torch's, where its kernels run
+    record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep), reads)
+    around = {"before": hardware.read_now(device, reads)} if record.hardware["bandwidth_source"] == "measured" else None
     contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
     try:
         if engine_cls is None:
@@ -302,7 +303,7 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
     finally:
         record.environment["contention"] = contention.measure()
     if around is not None:  # the read before and after this cell, beside the sweep's (reports/verdicts.py)
-        record.hardware["bandwidth_at_cell"] = {**around, "after": hardware.read_now(device), "unit": "GB/s"}
+        record.hardware["bandwidth_at_cell"] = {**around, "after": hardware.read_now(device, reads), "unit": "GB/s"}
 
 
 def keep(record: evidence.Record, result: Result) -> None:

@@ -241,8 +241,10 @@ def blocking(program: Callable[[Any], Any], x: Any) -> None:
 # interleaved), and the project's bf16 weight kernel read above the float32 sum: a decode step's own read cleared
 # a roofline divided by that sum (100.6 %), so the float32 sum alone understated what a read reaches there.
 # A CPU's figure; an accelerator's is its float32 sum alone (a dtype view of its memory is not assumed of every
-# backend, TorchTPU's included).
+# backend, TorchTPU's included). None of torch's reductions asks the cache ahead: where the caller has a read that does
+# (``Read``: the project's kernels' stream read, ``engines.cpu_kernels.reads``), it is one more of a CPU's reads.
 FLOAT_SUM = "sum float32"
+Read = Callable[[torch.Tensor], object]  # reads every byte of a contiguous tensor once (its result unused)
 READ_REDUCTIONS = {FLOAT_SUM: (torch.float32, torch.sum), "sum int64": (torch.int64, torch.sum),
                    "amax uint8": (torch.uint8, torch.amax)}  # fmt: skip
 
@@ -288,15 +290,17 @@ def read_bytes(device_kind: str, caches: Path = CPU_CACHES) -> int:
 
 
 def measure_bandwidth(
-    device: Device, nbytes: int | None = None, repeats: int = 5, copy: bool = True
+    device: Device, nbytes: int | None = None, repeats: int = 5, copy: bool = True, reads: dict[str, Read] | None = None
 ) -> dict[str, object]:
     """Memory bandwidth in GB/s, best of ``repeats`` each way: a streaming read (every thread over ``nbytes``, by
     default ``read_bytes``: what a decode step does to its weights, recorded as ``bytes``), the figure a roofline
     divides by (``value``), and beside it (unless ``copy`` is
     false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
-    reaches. A CPU reads with each of ``READ_REDUCTIONS`` in turn, every repeat: a repeat's read is the best
-    of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more than its bytes on one
-    CPU and not on another, and every one of them reads every byte, so none reads faster than memory gives.
+    reaches. A CPU reads with each of ``READ_REDUCTIONS``, then each of the caller's ``reads`` (by name, taken on any
+    torch device: the caller offers only what runs on it) in turn, every repeat: a
+    repeat's read is the best of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more
+    than its bytes on one CPU and not on another, and every one of them reads every byte, so none reads faster than
+    memory gives.
 
     Timer boundaries: ``device.sync()`` before and after each pass. A JAX accelerator reads with a jitted sum and
     copies with a jitted ``x + 1`` over its own memory, never through the host.
@@ -309,7 +313,7 @@ def measure_bandwidth(
         src = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device.jax_device)
         total = jax.jit(jnp.sum)
         total(src).block_until_ready()
-        reads = {FLOAT_SUM: functools.partial(blocking, total, src)}
+        passes = {FLOAT_SUM: functools.partial(blocking, total, src)}
         how = {"read": f"jax jit sum over {nbytes} B float32", "copy": f"jax jit x + 1 over {nbytes} B float32"}
         copy_pass = None
         if copy:
@@ -319,8 +323,10 @@ def measure_bandwidth(
     else:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device.torch_device).fill_(1.0)
         reductions = READ_REDUCTIONS if device.kind == "cpu" else {FLOAT_SUM: READ_REDUCTIONS[FLOAT_SUM]}
-        reads = {name: functools.partial(reduce, src.view(dtype)) for name, (dtype, reduce) in reductions.items()}
-        how = {"read": f"the best of torch {', '.join(reductions)} over {nbytes} B",
+        passes = {name: functools.partial(reduce, src.view(dtype)) for name, (dtype, reduce) in reductions.items()}
+        passes |= {name: functools.partial(read, src) for name, read in (reads or {}).items()}
+        how = {"read": f"the best of torch {', '.join(reductions)}{''.join(f' and {n}' for n in reads or {})} over "
+                       f"{nbytes} B",
                "copy": f"torch copy_ of {nbytes} B float32"}  # fmt: skip
         copy_pass = functools.partial(torch.empty_like(src).copy_, src) if copy else None
 
@@ -331,10 +337,10 @@ def measure_bandwidth(
         device.sync()
         return moved / (time.perf_counter() - start) / 1e9
 
-    by_reduction: dict[str, list[float]] = {name: [] for name in reads}
+    by_reduction: dict[str, list[float]] = {name: [] for name in passes}
     read_samples, copy_samples = [], []
     for _ in range(repeats):
-        for name, run in reads.items():
+        for name, run in passes.items():
             by_reduction[name].append(rate(run, nbytes))
         read_samples.append(max(samples[-1] for samples in by_reduction.values()))
         if copy_pass is not None:

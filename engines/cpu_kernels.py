@@ -7,7 +7,9 @@ weight packed once at load into tiles of 16 outputs, front to back, and share ``
 ``decodebench_norm::rms`` (``engines.norm_cpu``, ``csrc/rms_norm.cpp``) the Rust engine's RMS norm in one operator
 (with ``add_rms``, the residual add after it) and ``decodebench_act::gelu_mul`` (``csrc/gelu_mul.cpp``) its MLP's
 activation times ``up``;
-``decodebench_pick::first_max`` (``engines.greedy_cpu``, ``csrc/first_max.cpp``) the greedy token of a row of logits.
+``decodebench_pick::first_max`` (``engines.greedy_cpu``, ``csrc/first_max.cpp``) the greedy token of a row of logits;
+``decodebench_read::stream`` (``reads``, ``csrc/stream_read.cpp``) a streaming read with the products' prefetch, for the
+roofline's bandwidth.
 They are built by torch's C++ extension loader (``main``, at setup: no test or cell compiles them) into
 ``build/`` and registered in C++ (``TORCH_LIBRARY``), so a compiled step calls each as one opaque operator. Where
 they cannot be built (no compiler) or run (the CPU lacks AVX-512 BF16) the engines use aten's kernels and the
@@ -27,9 +29,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from decodebench.device import Device, Read
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp", CSRC / "one_query.cpp", CSRC / "rms_norm.cpp",
-           CSRC / "first_max.cpp", CSRC / "gelu_mul.cpp")  # fmt: skip
+           CSRC / "first_max.cpp", CSRC / "gelu_mul.cpp", CSRC / "stream_read.cpp")  # fmt: skip
 BUILD = Path(__file__).parents[1] / "build" / f"cpu_kernels-torch{torch.__version__.replace('+', '-')}"
 # -fopenmp: ATen's parallel_for is inline code that shares the tiles among torch's threads only when the kernels are
 # compiled with OpenMP; without it every product ran on the calling thread (one core: a one-row bf16 product over a
@@ -107,6 +111,17 @@ def prefetch_hint() -> str | None:
     """The cache level the kernels' prefetches ask for on this CPU (``nta`` on AMD, ``t0+t1`` elsewhere: ``csrc/rows.h``
     has the figures behind the choice), or None where they do not run here."""
     return str(torch.ops.decodebench_int4.prefetch_hint()) if built() else None
+
+
+STREAM_READ = "the project's stream read"  # its name among the bandwidth's reads (decodebench.device)
+
+
+def reads(device: Device) -> dict[str, Read]:
+    """The library's streaming read (``decodebench_read::stream``: every byte once, 64 bytes a load, torch's threads
+    each a contiguous part, the products' prefetch) by name, for the roofline's bandwidth of ``device`` beside torch's
+    reductions (``decodebench.device.measure_bandwidth``), where ``device`` is this CPU and the library runs on it;
+    none elsewhere."""
+    return {STREAM_READ: torch.ops.decodebench_read.stream} if device.kind == "cpu" and built() else {}
 
 
 NAMESPACES = ("decodebench_int4.", "decodebench_bf16.")  # the library's products, as a module's ``kernel`` names them

@@ -17,8 +17,8 @@ pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads i
 also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance), and records
 the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors), so the report can
 give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``), and the
-machine's streaming read just after it (``extra_info["read_gb_s"]``, ``hardware.read_now``), which the GB/s is a
-share of.
+machine's streaming read just after it (``extra_info["read_gb_s"]``, ``hardware.read_now``, the project's stream
+read beside torch's), which the GB/s is a share of.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench import hardware
 from decodebench.device import cache_bytes, resolve_device
-from engines import int4, one_row
+from engines import cpu_kernels, int4, one_row
 from engines.joined import JOINED
 from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
@@ -139,6 +139,6 @@ def test_linear(benchmark, device, shape, weights, residence):
                                 copies=copies, threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
     y = benchmark(call)
     # what the machine's streaming read gave just after (a shared host's moves within minutes): the GB/s beside it
-    benchmark.extra_info["read_gb_s"] = hardware.read_now(device)["value"]
+    benchmark.extra_info["read_gb_s"] = hardware.read_now(device, cpu_kernels.reads(device))["value"]
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -17,6 +17,7 @@ import pytest
 
 import runner
 from decodebench import evidence, hardware
+from engines import cpu_kernels
 from engines.generate import GenerateEngine
 from runner import run_cell
 from tests.conftest import REPO
@@ -45,13 +46,16 @@ def test_ok_cell_writes_valid_evidence(cell_cfg, tiny, tmp_path):
     assert on_disk["hardware"]["bandwidth_source"] == "measured"
     around = on_disk["hardware"]["bandwidth_at_cell"]  # the machine's read before and after the cell
     assert [len(around[when]["samples"]) for when in ("before", "after")] == [hardware.CELL_READS] * 2
+    stream = [cpu_kernels.STREAM_READ] if cpu_kernels.built() else []  # the project's read, where its kernels run
+    taken = [on_disk["hardware"]["bandwidth_measurement"]["reductions"], around["before"]["reductions"]]
+    assert [list(reductions)[3:] for reductions in taken] == [stream] * 2
     assert not list((tmp_path / "runs").rglob("*.tmp"))
 
 
 def test_a_cell_reads_the_bandwidth_before_its_engine_opens_and_after_its_experiment(cell_cfg, tiny, monkeypatch):
     events, opened = [], runner.open_engine
 
-    def read_now(device):
+    def read_now(device, reads):
         events.append("read")
         return {"value": float(len(events)), "unit": "GB/s"}
 

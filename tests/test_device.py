@@ -86,14 +86,14 @@ def test_a_sweep_read_taken_while_the_machine_was_busy_is_taken_again(monkeypatc
     the last try is kept with its contention, the ones before it listed with theirs."""
     from decodebench import hardware
 
-    reads, watched = iter([10.0, 20.0, 30.0, 40.0]), iter(busy)
+    reads_taken, watched = iter([10.0, 20.0, 30.0, 40.0]), iter(busy)
 
     class Watch:
         def measure(self) -> dict:
             return {"contended": next(watched), "other_cores": 1.0}
 
     monkeypatch.setattr(hardware, "Contention", Watch)
-    monkeypatch.setattr(hardware, "measure_bandwidth", lambda device, repeats: {"value": next(reads)})
+    monkeypatch.setattr(hardware, "measure_bandwidth", lambda device, repeats, reads: {"value": next(reads_taken)})
     monkeypatch.setattr(hardware, "BANDWIDTH_PAUSE_S", 0.0)
     monkeypatch.delenv(hardware.READ_TRIES, raising=False)  # the default (the tests' conftest sets 1)
     read = hardware.uncontended_read(resolve_device("cpu"))
@@ -129,6 +129,34 @@ def test_the_roofline_divides_by_a_streaming_read_with_the_copy_beside_it(tmp_pa
     older = {k: v for k, v in json.loads(Path(first["file"]).read_text()).items() if k != "copy"}
     Path(first["file"]).write_text(json.dumps(older | {"value": 1.0e6}))  # a file measured before the read was
     assert hardware.bandwidth(device, tmp_path, "s1")["value"] != 1.0e6, "measured again, read and copy"
+
+
+def test_a_callers_read_is_taken_beside_torchs_and_a_sweep_file_without_it_is_measured_again(tmp_path):
+    """``reads`` (the project's stream read, where its kernels run): taken every repeat after torch's reductions, its
+    samples kept by name and in each repeat's best, named in the method; a sweep's file taken before it was offered
+    is measured again, one that holds it reused."""
+    import torch
+
+    from decodebench import hardware
+
+    device, seen = resolve_device("cpu"), []
+
+    def fast(x):  # a read that reports every pass: it is given the whole buffer
+        seen.append(x.nbytes)
+        return x.view(torch.uint8).amax()
+
+    without = hardware.bandwidth(device, tmp_path, "s1")
+    assert "a read" not in without["reductions"]
+    first = hardware.bandwidth(device, tmp_path, "s1", {"a read": fast})
+    assert first["file"] == without["file"] and first["samples"] != without["samples"], "measured again, with it"
+    assert list(first["reductions"]) == ["sum float32", "sum int64", "amax uint8", "a read"]
+    assert seen == [first["bytes"]] * hardware.BANDWIDTH_COPIES
+    assert first["samples"] == [max(each) for each in zip(*first["reductions"].values(), strict=True)]
+    assert first["method"].startswith("the best of torch sum float32, sum int64, amax uint8 and a read over ")
+    assert hardware.bandwidth(device, tmp_path, "s1", {"a read": fast})["samples"] == first["samples"], "reused"
+    assert hardware.bandwidth(device, tmp_path, "s1")["samples"] == first["samples"], "holds more than asked: reused"
+    now = hardware.read_now(device, {"a read": fast})
+    assert len(now["reductions"]["a read"]) == hardware.CELL_READS and "copy" not in now
 
 
 def test_the_bf16_matmul_rate_is_measured_beside_the_bandwidth_and_added_to_an_older_file(tmp_path):
