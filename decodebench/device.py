@@ -296,11 +296,11 @@ def measure_bandwidth(
     default ``read_bytes``: what a decode step does to its weights, recorded as ``bytes``), the figure a roofline
     divides by (``value``), and beside it (unless ``copy`` is
     false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
-    reaches. A CPU reads with each of ``READ_REDUCTIONS``, then each of the caller's ``reads`` (by name, taken on any
-    torch device: the caller offers only what runs on it) in turn, every repeat: a
-    repeat's read is the best of them, each one's samples kept (``reductions``); a reduction's arithmetic can cost more
-    than its bytes on one CPU and not on another, and every one of them reads every byte, so none reads faster than
-    memory gives.
+    reaches. A CPU reads with each of ``READ_REDUCTIONS``, then each of the caller's ``reads`` (by name; taken on any
+    torch device, so the caller offers only what runs on it; a JAX accelerator's memory is not a torch tensor, and its
+    caller offers none) in turn, every repeat: a repeat's read is the best of them, each one's samples kept
+    (``reductions``); a reduction's arithmetic can cost more than its bytes on one CPU and not on another, and every
+    one of them reads every byte, so none reads faster than memory gives.
 
     Timer boundaries: ``device.sync()`` before and after each pass. A JAX accelerator reads with a jitted sum and
     copies with a jitted ``x + 1`` over its own memory, never through the host.
