@@ -297,8 +297,8 @@ def measure_bandwidth(
     divides by (``value``), and beside it (unless ``copy`` is
     false) a streaming copy (bytes read + bytes written per second, ``copy``), which on a CPU understates what a read
     reaches. A CPU reads with each of ``READ_REDUCTIONS``, then each of the caller's ``reads`` (by name; taken on any
-    torch device, so the caller offers only what runs on it; a JAX accelerator's memory is not a torch tensor, and its
-    caller offers none) in turn, every repeat: a repeat's read is the best of them, each one's samples kept
+    torch device, so the caller offers only what runs on it; a JAX accelerator's memory is not a torch tensor: refused
+    there) in turn, every repeat: a repeat's read is the best of them, each one's samples kept
     (``reductions``); a reduction's arithmetic can cost more than its bytes on one CPU and not on another, and every
     one of them reads every byte, so none reads faster than memory gives.
 
@@ -307,6 +307,8 @@ def measure_bandwidth(
     """
     nbytes = nbytes or read_bytes(device.kind)
     if isinstance(device, JaxDevice) and device.kind != "cpu":
+        if reads:
+            raise ValueError(f"reads {', '.join(reads)}: a JAX {device.kind}'s memory is not a torch tensor to read")
         import jax
         import jax.numpy as jnp
 

@@ -213,6 +213,16 @@ def test_an_accelerator_reads_with_its_float32_sum_alone(monkeypatch):
     assert read["samples"] == read["reductions"]["sum float32"]
 
 
+def test_a_read_offered_for_a_jax_accelerators_memory_is_refused_by_name():
+    import torch
+
+    from decodebench.device import JaxDevice, measure_bandwidth
+
+    tpu = JaxDevice("tpu", torch.device("cpu"), "a TPU")  # refused before JAX is asked for anything
+    with pytest.raises(ValueError, match="reads a read: a JAX tpu's memory is not a torch tensor"):
+        measure_bandwidth(tpu, nbytes=2**20, repeats=1, copy=False, reads={"a read": torch.sum})
+
+
 def test_a_cpu_reads_four_times_its_largest_cache_at_least(tmp_path, monkeypatch):
     """sysfs's sizes as it writes them (``2048K``, a bare number of bytes): the largest data cache, times four, where it
     exceeds 256 MiB; 256 MiB where sysfs lists nothing or on another device; ``DECODEBENCH_READ_BYTES`` before both,
