@@ -32,6 +32,14 @@ Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # Without it the compiled step's bf16 logits part from Transformers' by more than the bf16 parity bound on
 # e2b-synthetic (KL mean 1.38e-3 against 1e-3); with it 1.85e-4, as close as generate's own loop (1.89e-4).
 INDUCTOR_DEFAULTS = {"emulate_precision_casts": True}
+# The stepping engines' compiles also leave out TorchInductor's size asserts (``size_asserts``): its Python wrapper
+# checked the size and strides of every input and of every operator's output it did not generate before each call,
+# 977 checks a step of the e2b-synthetic int4 ring at 0.94 us each on the 2-core Xeon of model 207, 0.9 ms of its
+# 57-62 ms step. The checks repeat what is fixed once loaded: the frozen model's weights (``frozen_model_guards``) and
+# the outputs of the operators it calls as they are (the project's kernels, whose fake kernels state those shapes);
+# TorchDynamo's guards still check the engine's own state before each call. ``+engine.inductor.size_asserts=true``
+# puts them back.
+STEP_DEFAULTS = {**INDUCTOR_DEFAULTS, "size_asserts": False}
 MODEL_SOURCE = "self.model"  # how TorchDynamo names the model reached from a compiled method's ``self``
 KEPT_ON_MODEL = ("DUPLICATE_INPUT", "NO_TENSOR_ALIASING")  # guard kinds on it that still run
 
@@ -74,8 +82,9 @@ class SteppingEngineConfig(EngineConfig):
 
     ``backend``: auto (tpu on a TPU, inductor elsewhere), any torch.compile backend name, or none.
     ``inductor``: options for TorchInductor's compile (``torch.compile(options=...)``, e.g.
-    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels), over ``INDUCTOR_DEFAULTS``
-    (``+engine.inductor.emulate_precision_casts=false`` turns eager's rounding off); refused with any other
+    ``+engine.inductor.cpp_wrapper=true``: C++ instead of Python between kernels), over ``STEP_DEFAULTS``
+    (``+engine.inductor.emulate_precision_casts=false`` turns eager's rounding off, ``size_asserts=true`` puts
+    TorchInductor's checks of sizes and strides back); refused with any other
     backend, and an option TorchInductor does not know is refused by it when the step compiles.
     ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on
     this CPU, measured on the model's own shapes; ``rows`` the project's ``bf16_rows`` for every row count,
@@ -186,11 +195,11 @@ class SteppingEngine(SteppedEngine):
                              options=options)  # fmt: skip
 
     def inductor_options(self) -> dict[str, Any]:
-        """The options TorchInductor compiles with: ``INDUCTOR_DEFAULTS`` under ``engine.inductor``; none for
+        """The options TorchInductor compiles with: ``STEP_DEFAULTS`` under ``engine.inductor``; none for
         another backend."""
         if self.backend != "inductor":
             return {}
-        return {**INDUCTOR_DEFAULTS, **self.ctx.engine_cfg.inductor}
+        return {**STEP_DEFAULTS, **self.ctx.engine_cfg.inductor}
 
     def dynamic_shapes(self) -> bool:
         """Whether a compiled program may take a dimension that changes from call to call (one program for
