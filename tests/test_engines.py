@@ -258,6 +258,25 @@ def test_a_compiled_step_guards_the_engines_state_and_not_the_frozen_model():
     assert frozen_model_guards(entries) == [False] * 5 + [True] * 5
 
 
+@pytest.mark.parametrize(("extra", "checked"), [((), False), (("+engine.inductor.size_asserts=true",), True)])
+def test_a_compiled_steps_wrapper_checks_no_sizes_unless_told(tiny, extra, checked):
+    """The ring's step compiled by TorchInductor (``STEP_DEFAULTS``): the Python wrapper it writes checks no input's
+    or operator output's size and strides before each call (the frozen model's weights among them), unless
+    ``+engine.inductor.size_asserts=true`` asks for the checks back."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    opened_ring = opened("engine=ring", f"cache_dir={tiny.root.parents[1]}", *extra)
+    try:
+        ring = opened_ring.load()
+        with config.patch(fx_graph_cache=False):  # a cached program is loaded, not written: write it
+            _, codes = run_and_get_code(lambda: ring.generate(opened_ring.encode("a short prompt"), 3))
+    finally:
+        opened_ring.close()
+    assert codes and all("def call(" in code for code in codes)
+    assert all(("assert_size_stride(" in code) == checked for code in codes)
+
+
 def test_a_compiled_step_holds_the_frozen_model_and_takes_the_ring_each_call(cell_cfg, tiny):
     """The step's program holds the model's tensors (``install_free_tensors``): the code TorchDynamo runs before it
     looks up the ring's buffers alone, not each weight through the module tree; on a TPU the weights stay inputs."""
