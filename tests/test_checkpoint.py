@@ -79,6 +79,30 @@ def test_loaded_weights_equal_the_dequantized_saved_ones(tiny):
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
 
 
+def mapped_ranges(file: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps ``file`` (``/proc/self/maps``)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]) == file.resolve():
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux) to see the mappings")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loaded_model_holds_no_view_of_the_checkpoint_file(tiny, dtype):
+    """Every weight is copied out of the mapped file, a norm already in the run's dtype too: a view of it would
+    keep the whole file mapped and every page the load read of it resident."""
+    ckpt = open_checkpoint(tiny.w4a16)
+    model, _ = load_model(ckpt, dtype, torch.device("cpu"))
+    ranges = mapped_ranges(ckpt.path / "model.safetensors")
+    views = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+             if any(start <= t.data_ptr() < end for start, end in ranges)]  # fmt: skip
+    assert views == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_twins_dequantize_to_the_same_model(tiny, dtype):
     """The dense float16 tables of w4a16 are emb4's int4 ones dequantized (so Transformers' reference on
