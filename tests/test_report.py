@@ -942,7 +942,9 @@ def test_the_peers_table_sets_each_peer_beside_the_fastest_valid_way_of_each_pre
     )
     ev, _, decode = judged(tmp_path)
     (table,) = peer_tables(decode, ev.records)
-    assert table.title == "m on cpu (cpu), synthetic weights: context 256, N=8, P=10, env env-a, sweep s"
+    assert table.title == (
+        "m on cpu (cpu-x), hardware cpu, synthetic weights: context 256, N=8, P=10, env env-a, sweep s"
+    )
     assert list(table.rows.way) == ["ring·int4", "llama.cpp q8_0", "llama.cpp q4_0", "vLLM", "ring·dense",
                                     "llama.cpp bf16"]
     rows = table.rows.set_index("way")

@@ -32,8 +32,8 @@ import pandas as pd
 from reports import uncertainty
 from reports.verdicts import VALID
 
-PEER_GROUP = ["model", "synthetic", "device", "hardware", "fingerprint", "context", "max_new_tokens", "batch",
-              "prompt_tokens"]  # fmt: skip
+PEER_GROUP = ["model", "synthetic", "device", "device_name", "hardware", "fingerprint", "context", "max_new_tokens",
+              "batch", "prompt_tokens"]  # fmt: skip
 PEER_COLUMNS = ["decode_row", "way", "peer", "engine", "engine_config", "dtype", "precision", "decode",
                 "decode_values", "x_fastest_peer", "x_shown", "x_same_precision", "same_precision_peer",
                 "x_same_shown", "startup_s", "memory_peak_bytes", "verdict", "weights", "files"]  # fmt: skip
@@ -242,15 +242,17 @@ def _weights(row: pd.Series, block: dict[str, Any]) -> str:
 
 
 def _title(where: dict[str, Any], sweep: str) -> str:
-    """What a table's rows share, for its heading."""
-    hardware = f" ({where['hardware']})" if isinstance(where["hardware"], str) else ""
+    """What a table's rows share, for its heading: the device and its name as the decode table's heading gives them,
+    then the hardware profile."""
+    name = f" ({where['device_name']})" if isinstance(where["device_name"], str) else ""
+    hardware = f", hardware {where['hardware']}" if isinstance(where["hardware"], str) else ""
     synthetic = ", synthetic weights" if where["synthetic"] else ""
     prompt = "" if pd.isna(where["prompt_tokens"]) else f", P={int(where['prompt_tokens'])}"
     n = "" if pd.isna(where["max_new_tokens"]) else f", N={int(where['max_new_tokens'])}"
     batch = int(where.get("batch", 1) or 1)
     sequences = f", B={batch} sequences a step" if batch > 1 else ""
     return (
-        f"{where['model']} on {where['device']}{hardware}{synthetic}: context {where['context']}{n}{prompt}"
+        f"{where['model']} on {where['device']}{name}{hardware}{synthetic}: context {where['context']}{n}{prompt}"
         f"{sequences}, env {where['fingerprint']}, sweep {sweep}"
     )
 
