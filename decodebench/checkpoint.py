@@ -268,7 +268,8 @@ def text_state_dict(
     """The model's state dict (names as ``Gemma4ForCausalLM`` wants them), dequantized to ``dtype``.
 
     Tables named in ``keep_packed`` (and with ``keep_linears`` every packed linear) stay int4 and are
-    returned separately, keyed by module path. Every tensor of the state dict is a copy: one left a view of the
+    returned separately, keyed by module path, as views of the mapped file (an engine's int4 tables are its
+    weights: their pages are resident either way). Every tensor of the state dict is a copy: one left a view of the
     mapped file (a norm's weight already in ``dtype``, which ``from_pretrained`` keeps as it is) would keep the whole
     file mapped, and every page the load read of it resident (6.5 GB of e2b-synthetic's W4A16 twin, counted in the
     process's resident set, for a few kilobytes of norms).

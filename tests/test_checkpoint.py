@@ -81,10 +81,10 @@ def test_loaded_weights_equal_the_dequantized_saved_ones(tiny):
 
 def mapped_ranges(file: Path) -> list[tuple[int, int]]:
     """The address ranges at which this process maps ``file`` (``/proc/self/maps``)."""
-    ranges = []
+    ranges, path = [], file.resolve()
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and Path(fields[5]) == file.resolve():
+        if len(fields) == 6 and Path(fields[5]) == path:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             ranges.append((start, end))
     return ranges
