@@ -78,7 +78,7 @@ def loaded_digest() -> str | None:
         return None
 
     @torch.library.register_fake("decodebench_int4::int4_rows")
-    def _(x, words, scales, group, out_features):  # its output's shape, for a compiled step that traces it
+    def _(x, words, scales, group, out_features, limbs):  # its output's shape, for a compiled step that traces it
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("decodebench_bf16::bf16_rows")

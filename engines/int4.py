@@ -9,7 +9,8 @@ says) are used as stored (no re-quantization, no rounding), repacked once at loa
 device's kernel wants:
 
 * ``cpu``: the project's own ``decodebench_int4.int4_rows`` (``engines.int4_cpu``: bf16 activations on a CPU with
-  AVX-512 BF16, any group of a multiple of 8 inputs, the stored scales as they are), else
+  AVX-512 BF16, any group of a multiple of 8 inputs, the stored scales as they are; ``engine.int4_limbs``: how many
+  7-bit limbs it holds each input in, ``int4_cpu.LIMBS``), else
   ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``;
 * ``cuda``: tinygemm's ``aten._weight_int4pack_mm`` over ``aten._convert_weight_to_int4pack`` (bf16);
 * ``tpu``: the checkpoint's packed words, unpacked inside the compiled step (whether XLA fuses the
@@ -92,6 +93,26 @@ def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+def limbs_refused(limbs: int, weights: Weights) -> str | None:
+    """Why ``engine.int4_limbs`` cannot be set so (a ``ConfigError``), or None: a count ``int4_rows`` takes, and other
+    than the default only where linears are held 4-bit (it sets how that kernel holds x; dense linears have none)."""
+    if limbs not in int4_cpu.LIMBS:
+        return f"engine.int4_limbs={limbs}: {int4_cpu.OP} holds each input in {' or '.join(map(str, int4_cpu.LIMBS))}"
+    if limbs != int4_cpu.DEFAULT_LIMBS and weights != Weights.int4:
+        return (f"engine.int4_limbs={limbs} has no effect with engine.weights={weights}: it sets how {int4_cpu.OP} "
+                "holds x, and no linear is held 4-bit")  # fmt: skip
+    return None
+
+
+def limbs_unsupported(limbs: int, device_kind: str, dtype: torch.dtype) -> str | None:
+    """Why ``engine.int4_limbs`` other than the default would take no effect on this device (the cell is skipped),
+    or None: only ``int4_rows`` holds x in limbs."""
+    if limbs == int4_cpu.DEFAULT_LIMBS or (device_kind == "cpu" and int4_cpu.unsupported(dtype, None) is None):
+        return None
+    return (f"engine.int4_limbs={limbs} sets how {int4_cpu.OP} holds x; int4 linears on {device_kind} compute with "
+            f"{KERNELS.get(device_kind, 'no int4 kernel')} here")  # fmt: skip
+
+
 def chosen(device_kind: str, dtype: torch.dtype, group: int) -> str:
     """The kernel an ``Int4Linear`` computes with: ``int4_rows`` on a CPU that runs it for this dtype and group,
     else the device's ``KERNELS`` entry."""
@@ -130,16 +151,21 @@ class Int4Linear(nn.Module):
     ``tpu`` keeps the scales as stored and unpacks in float32; ``int4_rows`` (a ``cpu`` that runs it) reads them
     as stored; the aten kernels (another ``cpu``, ``cuda``) hold them as ``scale_parts`` in the run's dtype
     ([parts, in/group_size, out, 2] scales and zeros), are called once per part and the parts' outputs summed in
-    float32. ``kernel``: the operator that computes it, by its dispatched name (``KERNELS`` or ``int4_cpu.OP``).
+    float32. ``kernel``: the operator that computes it, by its dispatched name (``KERNELS`` or ``int4_cpu.OP``);
+    ``limbs``: how many limbs ``int4_rows`` holds x in (``int4_cpu.LIMBS``; another kernel takes only the default).
     """
 
     def __init__(self, weight: PackedTable, dtype: torch.dtype, device: torch.device, kind: str | None = None,
-                 kernel: str | None = None) -> None:  # fmt: skip
+                 kernel: str | None = None, limbs: int = int4_cpu.DEFAULT_LIMBS) -> None:  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group = weight.group_size
         self.kind = kind or device.type  # which device's kernel (a KERNELS key); tests run the tpu one on a CPU
         self.kernel = kernel or chosen(self.kind, dtype, self.group)
+        self.limbs = limbs
+        if limbs != int4_cpu.DEFAULT_LIMBS and self.kernel != int4_cpu.OP:
+            raise EngineLimit(f"engine.int4_limbs={limbs} sets how {int4_cpu.OP} holds x; this weight (group_size="
+                              f"{self.group}) computes with {self.kernel}")  # fmt: skip
         if self.kind == "tpu":
             self.register_buffer("words", weight.packed.to(device))
             self.register_buffer("scale", weight.scale.to(device))
@@ -185,7 +211,7 @@ class Int4Linear(nn.Module):
         nn.Module.__init__(joined)
         first = parts[0]
         joined.out_features, joined.in_features = sum(p.out_features for p in parts), first.in_features
-        joined.group, joined.kind, joined.kernel = first.group, first.kind, first.kernel
+        joined.group, joined.kind, joined.kernel, joined.limbs = first.group, first.kind, first.kernel, first.limbs
         joined.register_buffer("words", torch.cat([p.words for p in parts]))
         joined.register_buffer("scales", torch.cat([p.scales for p in parts]))
         return joined
@@ -197,7 +223,7 @@ class Int4Linear(nn.Module):
             grouped = levels.view(self.out_features, -1, self.group) * self.scale.to(torch.float32).unsqueeze(-1)
             y = F.linear(rows, grouped.view(self.out_features, self.in_features).to(self.dtype))
         elif self.kernel == int4_cpu.OP:
-            y = int4_cpu.rows(rows, self.words, self.scales, self.group, self.out_features)
+            y = int4_cpu.rows(rows, self.words, self.scales, self.group, self.out_features, self.limbs)
         else:
             parts = [self.mm(rows, self.packed, self.group, part) for part in self.scales_and_zeros]
             y = parts[0] if len(parts) == 1 else torch.stack(parts).float().sum(0).to(rows.dtype)
@@ -217,12 +243,12 @@ def split_packed(packed: dict[str, PackedTable], lookups: tuple[str, ...], tied:
 
 
 def swap_linears(model: nn.Module, packed: dict[str, PackedTable], dtype: torch.dtype, device: torch.device,
-                 kernel: str | None = None) -> int:  # fmt: skip
+                 kernel: str | None = None, limbs: int = int4_cpu.DEFAULT_LIMBS) -> int:  # fmt: skip
     """Replaces each packed linear (module path -> its weight) with an ``Int4Linear`` computing with ``kernel``
-    (None: the device's choice, ``chosen``); returns how many."""
+    (None: the device's choice, ``chosen``), x in ``limbs`` limbs; returns how many."""
     for path, weight in packed.items():
         parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, dtype, device, kernel=kernel))
+        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, dtype, device, kernel=kernel, limbs=limbs))
     return len(packed)
 
 

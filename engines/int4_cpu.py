@@ -3,9 +3,11 @@
 
 A decode step multiplies one row (or a batch's few) by every weight, so its speed is the rate at which the
 weights are read. This operator reads each packed byte once, front to back, the scales as stored, and multiplies in
-integers: each row of x is written once a call in fixed point, block by block (22 bits below its block's largest
-input: exact for the inputs within 2^13 of it, the rest rounded at 2^-21 of it), the 4-bit levels multiply its bytes
-by ``vpdpbusd``, and the sums are scaled in float32 and rounded to bf16 once. Its first form (levels to bf16 by a table
+integers: each row of x is written once a call in fixed point, block by block, as ``limbs`` 7-bit limbs (``LIMBS``:
+what each keeps of an input), the 4-bit levels multiply its bytes by ``vpdpbusd``, and the sums are scaled in float32
+and rounded to bf16 once. Three limbs are the default; two do two thirds of the products, which is what bounds the
+kernel where ``vpdpbusd`` issues once a cycle (AMD's Zen 4), for inputs far below their block's largest rounded
+coarser. Its first form (levels to bf16 by a table
 lookup, ``vdpbf16ps``) was bound by that arithmetic on both CPUs it was timed on: on a 2-core AMD EPYC (Zen 5) one
 row read 14-53 GB/s of the held weight shape by shape (``make bench-int4``, cold copies), below the 67-73 the bf16
 kernel reads there; on the 2-core Xeon with AMX 31-32 GB/s from the cores' L2, below a 35-37 GB/s streaming read
@@ -26,6 +28,16 @@ from engines.cpu_kernels import missing
 
 OP = "decodebench_int4.int4_rows"  # the operator's name as it is dispatched (and as the evidence names it)
 TILE, CHUNK = 16, 8  # outputs per tile, inputs per 64-byte chunk (csrc/int4_rows.cpp)
+LIMB_BITS = 7  # bits of each limb of an input's fixed point (the top limb's eighth is its sign)
+LIMBS = {3: "inputs within 2^13 of their block's largest exact, the rest rounded at 2^-21 of it",
+         2: "inputs within 2^6 of their block's largest exact, the rest rounded at 2^-14 of it"}  # fmt: skip
+DEFAULT_LIMBS = 3
+
+
+def fraction_bits(limbs: int) -> int:
+    """Bits of an input's fixed point below the exponent of its block's largest input, for ``limbs`` limbs: an input
+    within 2^(F - 7) of that largest keeps its 8 significant bits; a smaller one is rounded at 2^-(F + 1) of it."""
+    return LIMB_BITS * limbs - 1
 
 
 def unsupported(dtype: torch.dtype, group: int | None) -> str | None:
@@ -69,6 +81,7 @@ def pack(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     return words, padded_scales.view(tiles, TILE, groups).transpose(1, 2).contiguous()
 
 
-def rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
-    """``x`` [rows, in] bf16 times the packed weight: [rows, out_features] bf16."""
-    return torch.ops.decodebench_int4.int4_rows(x, words, scales, group, out_features)
+def rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int, out_features: int,
+         limbs: int = DEFAULT_LIMBS) -> torch.Tensor:  # fmt: skip
+    """``x`` [rows, in] bf16 times the packed weight: [rows, out_features] bf16, x held in ``limbs`` limbs."""
+    return torch.ops.decodebench_int4.int4_rows(x, words, scales, group, out_features, limbs)

@@ -38,7 +38,7 @@ def stacked(parts: list[nn.Module]) -> nn.Module | None:
         joined = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=False, device="meta")
         joined.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
         return joined
-    if all(isinstance(p, Int4Linear) and p.kernel == int4_cpu.OP and p.group == first.group
+    if all(isinstance(p, Int4Linear) and p.kernel == int4_cpu.OP and p.group == first.group and p.limbs == first.limbs
            and p.out_features % int4_cpu.TILE == 0 for p in parts):  # fmt: skip
         return Int4Linear.stacked(parts)
     return None

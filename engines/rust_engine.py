@@ -41,10 +41,11 @@ class RustEngineConfig(EngineConfig):
     ``decodebench_bf16::bf16_rows`` for every row count, its weight packed at load by the Python side). ``weights``:
     ``dense``, or ``int4``: the ``-emb4`` twin's linears kept 4-bit and multiplied by the project's
     ``decodebench_int4::int4_rows``, its vocabulary tables read row by row from their packed words (a CPU with
-    AVX-512 BF16, bf16; skipped, named, elsewhere). ``decode_attention``: a decode step's attention
-    (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere). Every such
-    kernel is the operator the PyTorch engines call, found by name in ATen's dispatcher. q, k and v, and gate and
-    up, are one product each where ``engines.joined`` joins them, as the ring's are."""
+    AVX-512 BF16, bf16; skipped, named, elsewhere), each input held in ``int4_limbs`` 7-bit limbs (3, or 2:
+    ``engines.int4_cpu.LIMBS``; refused other than 3 with dense weights). ``decode_attention``: a decode step's
+    attention (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere).
+    Every such kernel is the operator the PyTorch engines call, found by name in ATen's dispatcher. q, k and v, and
+    gate and up, are one product each where ``engines.joined`` joins them, as the ring's are."""
 
     piece: int = 256
     mode: EagerMode = EagerMode.eager
@@ -52,12 +53,15 @@ class RustEngineConfig(EngineConfig):
     one_row: OneRow = OneRow.auto
     weights: Weights = Weights.dense
     decode_attention: DecodeAttention = DecodeAttention.auto
+    int4_limbs: int = int4_cpu.DEFAULT_LIMBS
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
         if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
             raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear is "
                               f"held 4-bit, multiplied by {int4_cpu.OP}")  # fmt: skip
+        if reason := int4.limbs_refused(self.int4_limbs, self.weights):
+            raise ConfigError(reason)
 
 
 def built() -> str | None:
@@ -176,7 +180,8 @@ class RustEngine(Engine):
         model, packed = load_model(self.checkpoint, dtype, device, keep, keep_linears=True)
         tables, linears = int4.split_packed(packed, int4.LOOKUPS, model.config.tie_word_embeddings)
         int4.swap_lookups(model, tables, dtype, device)
-        int4.swap_linears(model, linears, dtype, device, kernel=int4_cpu.OP)  # the Rust model calls no other kernel
+        limbs = self.ctx.engine_cfg.int4_limbs
+        int4.swap_linears(model, linears, dtype, device, kernel=int4_cpu.OP, limbs=limbs)  # Rust calls no other kernel
         return model
 
     def generate(
@@ -244,7 +249,7 @@ PACKED_TABLES = (Int4Embedding, PackedEmbedding)
 def packed_linear(module: Any) -> tuple[Any, ...]:
     """A linear held packed, as the Rust engine's constructor takes it (``engines/rust/src/lib.rs``)."""
     if isinstance(module, Int4Linear):
-        return ("int4", module.words, module.scales, module.group, module.out_features)
+        return ("int4", module.words, module.scales, module.group, module.out_features, module.limbs)
     return ("rows", module.packed, module.out_features)
 
 

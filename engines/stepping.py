@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import cpu_kernels, greedy_cpu, held, int4, one_row
+from engines import cpu_kernels, greedy_cpu, held, int4, int4_cpu, one_row
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.product_bytes import product_bytes
@@ -89,7 +89,9 @@ class SteppingEngineConfig(EngineConfig):
     ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on
     this CPU, measured on the model's own shapes; ``rows`` the project's ``bf16_rows`` for every row count,
     skipped, named, where it cannot run); refused as ``mv`` or ``rows`` where no linear is dense
-    (``engine.weights=int4``).
+    (``engine.weights=int4``). ``int4_limbs``: how many 7-bit limbs ``int4_rows`` holds each input of an int4 linear
+    in (``engines.int4_cpu.LIMBS``: 3, or 2 for two thirds of its products, inputs far below their block's largest
+    rounded coarser); other than 3, refused where no linear is 4-bit and skipped where ``int4_rows`` does not run.
     """
 
     backend: str = "auto"
@@ -97,11 +99,14 @@ class SteppingEngineConfig(EngineConfig):
     weights: Weights = Weights.dense
     inductor: dict[str, Any] = field(default_factory=dict)
     one_row: OneRow = OneRow.auto
+    int4_limbs: int = int4_cpu.DEFAULT_LIMBS
 
     def __post_init__(self) -> None:
         if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
             raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear "
                               "is held 4-bit (Int4Linear), none is dense")  # fmt: skip
+        if reason := int4.limbs_refused(self.int4_limbs, self.weights):
+            raise ConfigError(reason)
 
 
 class SteppingEngine(SteppedEngine):
@@ -130,6 +135,7 @@ class SteppingEngine(SteppedEngine):
     def unsupported_reason(cls, device: Device, run_cfg: Any) -> str | None:
         if run_cfg.engine.weights == Weights.int4:
             reason = int4.unsupported(device.kind, run_cfg.dtype.torch)
+            reason = reason or int4.limbs_unsupported(run_cfg.engine.int4_limbs, device.kind, run_cfg.dtype.torch)
             if reason:
                 return reason
         if reason := one_row.rows_refused(run_cfg.engine.one_row, device.kind, run_cfg.dtype.torch):
@@ -157,7 +163,8 @@ class SteppingEngine(SteppedEngine):
         tied = self.int4 and self.model.config.tie_word_embeddings
         self.packed_tables, linears = int4.split_packed(packed, lookups, tied)
         int4.swap_lookups(self.model, self.packed_tables, dtype, device)
-        self.int4_linears = int4.swap_linears(self.model, linears, dtype, device)
+        self.int4_linears = int4.swap_linears(self.model, linears, dtype, device,
+                                              limbs=self.ctx.engine_cfg.int4_limbs)  # fmt: skip
         self.joined_linears = self.join_linears()
         self.held_together_bytes = held.hold_together(self.model)
         self.row_linears = 0

@@ -1,7 +1,8 @@
 """``make bench-int4``: every E2B linear shape at batch 1, dense bf16 (``F.linear``, ``torch.mv``: what
 ``engine.one_row=mv`` calls on one row, and ``dense-rows``, the project's ``bf16_rows``: ``engine.one_row=rows``)
-against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows`` on a CPU with AVX-512 BF16; and
-``int4-aten``, aten's ``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark. ``FLOOR``, a weight of one
+against int4 (the kernel ``engine.weights=int4`` picks here: ``int4_rows`` on a CPU with AVX-512 BF16; ``int4-2limbs``,
+``int4_rows`` holding x in two limbs, ``engine.int4_limbs=2``; and ``int4-aten``, aten's
+``_weight_int4pack_mm_for_cpu``), timed by pytest-benchmark. ``FLOOR``, a weight of one
 tile, times what a call costs before it reads anything (the call, the threads' start, the output), which the report
 takes from each kernel's other medians.
 
@@ -31,7 +32,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench import hardware
 from decodebench.device import cache_bytes, resolve_device
-from engines import cpu_kernels, int4, one_row
+from engines import cpu_kernels, int4, int4_cpu, one_row
 from engines.joined import JOINED
 from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
@@ -94,7 +95,7 @@ def device():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("weights", ["dense", "dense-mv", "dense-rows", "int4", "int4-aten"])
+@pytest.mark.parametrize("weights", ["dense", "dense-mv", "dense-rows", "int4", "int4-2limbs", "int4-aten"])
 @pytest.mark.parametrize("residence", ["memory", "cache"])
 def test_linear(benchmark, device, shape, weights, residence):
     reason = int4.unsupported(device.kind, torch.bfloat16)
@@ -102,6 +103,9 @@ def test_linear(benchmark, device, shape, weights, residence):
         pytest.skip(reason)
     if weights == "int4-aten" and device.kind != "cpu":
         pytest.skip("aten's CPU int4 kernel is the cpu's alternative only")
+    limbs = 2 if weights == "int4-2limbs" else int4_cpu.DEFAULT_LIMBS
+    if limbs != int4_cpu.DEFAULT_LIMBS and (reason := int4.limbs_unsupported(limbs, device.kind, torch.bfloat16)):
+        pytest.skip(reason)
     cached = residence == "cache"
     outputs = cached_outputs(shape, weights) if cached else shape[0]
     packed, dense = packed_weight(outputs, shape[1])
@@ -111,7 +115,7 @@ def test_linear(benchmark, device, shape, weights, residence):
         pytest.skip(reason)
     kernel = int4.KERNELS["cpu"] if weights == "int4-aten" else None
     if weights.startswith("int4"):
-        make = lambda: int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel)  # noqa: E731
+        make = lambda: int4.Int4Linear(packed, torch.bfloat16, device.torch_device, kernel=kernel, limbs=limbs)  # noqa: E731
     elif weights == "dense-rows":
         make = lambda: packed_linear(w)  # noqa: E731
     else:

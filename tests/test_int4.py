@@ -212,3 +212,46 @@ def test_a_device_without_an_int4_kernel_is_skipped(cell_cfg, tiny, monkeypatch)
     monkeypatch.setattr(int4, "KERNELS", {k: v for k, v in int4.KERNELS.items() if k != "cpu"})
     record = run_cell(cell_cfg("engine=ring", "engine.weights=int4"))
     assert record["status"] == "skipped" and "no int4 kernel for device cpu" in record["reason"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status", "message"),
+    [
+        (("engine=ring", "engine.int4_limbs=2"), "failed", "int4_limbs=2 has no effect with engine.weights=dense"),
+        (("engine=rust", "engine.int4_limbs=2"), "failed", "int4_limbs=2 has no effect with engine.weights=dense"),
+        (("engine=ring", "engine.weights=int4", "engine.int4_limbs=4"), "failed", "holds each input in 3 or 2"),
+        (("engine=compiled", "engine.weights=int4", "engine.int4_limbs=2", "dtype=float32"), "skipped",
+         f"engine.int4_limbs=2 sets how {ROWS} holds x; int4 linears on cpu compute with {ATEN}"),
+    ],
+)  # fmt: skip
+def test_limbs_where_they_would_take_no_effect_are_refused_by_name(cell_cfg, tiny, overrides, status, message):
+    record = run_cell(cell_cfg(*overrides))
+    assert record["status"] == status and message in record["reason"]
+
+
+def test_limbs_on_a_weight_another_kernel_computes_are_refused():
+    """A checkpoint's group ``int4_rows`` does not take (12 inputs) goes to aten's kernel, which has no limbs."""
+    weight, _ = packed_weight(16, 48, group=12)
+    with pytest.raises(EngineLimit, match="group_size=12"):
+        int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kind="cpu", limbs=2)
+
+
+def test_two_limbs_take_effect_and_keep_the_reference_tokens(cache_dir, cell_cfg, tiny):
+    """``engine.int4_limbs=2``: every ``Int4Linear`` of the ring holds x in two limbs, its logits differ from three
+    limbs' (each the kernel's own rounding) and its tokens are Transformers' at bf16."""
+    runs_here(ROWS)
+    logits = {}
+    for limbs in (3, 2):
+        handle = opened(f"cache_dir={cache_dir}", "engine=ring", "engine.weights=int4", f"engine.int4_limbs={limbs}",
+                        "dtype=bfloat16", "context=1024", "engine.backend=eager")  # fmt: skip
+        try:
+            engine = handle.load()
+            assert {m.limbs for m in engine.model.modules() if isinstance(m, int4.Int4Linear)} == {limbs}
+            logits[limbs] = engine.generate([2, 40, 41, 42, 43, 44, 45, 46], 4, return_logits=True).logits
+        finally:
+            handle.close()
+    assert not torch.equal(logits[2], logits[3])
+    record = run_cell(cell_cfg("engine=ring", "engine.weights=int4", "engine.int4_limbs=2", "engine.backend=eager",
+                               "experiment=parity-bf16", "max_new_tokens=16"))  # fmt: skip
+    assert record["status"] == "ok", record["reason"]
+    assert record["config"]["engine"]["int4_limbs"] == 2 and record["outputs"]["verdict"] == "pass"

@@ -157,15 +157,16 @@ def test_shim_attention_matches_torch():
         decodebench_rs.shim_op("linear", [torch.randn(3, 8), torch.randn(5, 7)], [])
 
 
-def test_shim_int4_product_is_the_python_engines_operator():
+@pytest.mark.parametrize("limbs", [3, 2])
+def test_shim_int4_product_is_the_python_engines_operator(limbs):
     """The shim's int4 product is ``decodebench_int4::int4_rows`` itself (found in ATen's dispatcher): the same bits
-    as the operator called from Python, on a 3-D input and an output count that leaves the last tile partial, and
-    within bf16 rounding of the float64 product over the dequantized weight."""
+    as the operator called from Python with the same limbs, on a 3-D input and an output count that leaves the last
+    tile partial, and within bf16 rounding of the float64 product over the dequantized weight."""
     runs_here(ROWS)
     weight, dense = packed_weight(72, 256, 64)
-    layer = int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kernel=ROWS)
+    layer = int4.Int4Linear(weight, torch.bfloat16, torch.device("cpu"), kernel=ROWS, limbs=limbs)
     x = torch.randn(1, 3, 256).to(torch.bfloat16)
-    got = decodebench_rs.shim_op("int4_linear", [x, layer.words, layer.scales], [64, 72])
+    got = decodebench_rs.shim_op("int4_linear", [x, layer.words, layer.scales], [64, 72, limbs])
     assert got.shape == (1, 3, 72) and torch.equal(got, layer(x))
     exact = x.double() @ dense.double().T
     torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2)
@@ -255,12 +256,15 @@ def test_joined_products_give_the_rust_model_the_bits_of_its_products_apart(cach
     assert counted[True] == counted[False]  # joined products read the bytes their parts read, no more
 
 
-def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny):
+@pytest.mark.parametrize("limbs", [3, 2])
+def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, tiny, limbs):
     """``engine.weights=int4``: the ``-emb4`` twin, every linear (lm_head included) multiplied by ``int4_rows`` from
-    Rust, the tables looked up 4-bit; the tokens are Transformers' at bf16."""
+    Rust, x held in three limbs or two, the tables looked up 4-bit; the tokens are Transformers' at bf16."""
     runs_here(ROWS)
-    record = run_cell(cell_cfg("engine=rust", "engine.weights=int4", "experiment=parity-bf16", "max_new_tokens=16"))
+    record = run_cell(cell_cfg("engine=rust", "engine.weights=int4", f"engine.int4_limbs={limbs}",
+                               "experiment=parity-bf16", "max_new_tokens=16"))  # fmt: skip
     assert record["status"] == "ok", record["reason"]
+    assert record["config"]["engine"]["int4_limbs"] == limbs
     engine = record["engine"]
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
     assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
@@ -269,7 +273,9 @@ def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, 
     assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
     assert engine["joined_linears"] == joined_in(skeleton)
     out = record["outputs"]["prompt"]
-    assert out["first_difference"] is None and out["tokens_equal"] == 16 and record["outputs"]["verdict"] == "pass"
+    assert record["outputs"]["verdict"] == "pass"
+    if limbs == 3:  # two limbs moved a near-tie of tiny's random weights at the 16th token (KL mean 4.7e-5), in bounds
+        assert out["first_difference"] is None and out["tokens_equal"] == 16
 
 
 def test_int4_rust_is_refused_or_skipped_by_name(cell_cfg, tiny):

@@ -8,14 +8,16 @@
 //
 // The products are integer ones. Each row of x is first written as fixed point, block by block (a block: the
 // checkpoint's group, or the largest part of it of a multiple of 8 inputs and at most 64): the block's inputs times
-// 2^(20 - E), E the exponent of its largest (-127 where that is subnormal or zero), rounded to an integer of 22 bits
-// with its sign, held as three 7-bit limbs (the top one signed). An input within 2^13 of its block's largest keeps
-// every bit; a smaller one is rounded at 2^-21 of that largest (the bf16 output is rounded at 2^-9 of itself).
+// 2^(F - E), E the exponent of its largest (-127 where that is subnormal or zero), rounded to an integer of F + 2 bits
+// with its sign, held as L 7-bit limbs (the top one signed; F = 7 L - 1). An input within 2^(F - 7) of its block's
+// largest keeps every bit; a smaller one is rounded at 2^-(F + 1) of that largest (the bf16 output is rounded at 2^-9
+// of itself). The caller picks L (`limbs`): 3 (F = 20: every input within 2^13 exact, the rest rounded at 2^-21) or 2
+// (F = 13: within 2^6 exact, the rest rounded at 2^-14), whose products are two thirds of the work.
 // Dword lane o of a chunk's 64 bytes holds in its bytes' low nibbles the levels + 8 of output o's inputs 0, 4, 1, 5
-// and in their high nibbles those of inputs 2, 6, 3, 7: a mask and a shift give two vectors of 16 x 4 unsigned bytes, and vpdpbusd multiplies each by the
-// four matching bytes of a limb broadcast to every lane, adding the four products to the lane's int32 sum. At a
+// and in their high nibbles those of inputs 2, 6, 3, 7: a mask and a shift give two vectors of 16 x 4 unsigned
+// bytes, and vpdpbusd multiplies each by the four matching bytes of a limb broadcast to every lane, adding the four products to the lane's int32 sum. At a
 // block's end the limbs' sums are put together (the +8 taken off by the block's input sum), exactly in int32, turned
-// to float32 times 2^(E - 20); at a group's end the group's sum is scaled; at the tile's end rounded to bf16 once.
+// to float32 times 2^(E - F); at a group's end the group's sum is scaled; at the tile's end rounded to bf16 once.
 // A lane is an output, so no horizontal sum is needed. Rows of x are taken four at a time over two tiles side by
 // side (16 outputs by K inputs each, at most 56 KiB on E2B's shapes): the first four read them from memory, the rest
 // from the core's cache. A block with an input that is not finite makes the row's outputs NaN.
@@ -48,8 +50,11 @@ using namespace decodebench;
 constexpr int64_t kChunk = 8;   // inputs in a chunk: 64 bytes of a tile
 constexpr int64_t kWords = 32;  // 16-bit words in a chunk
 constexpr int64_t kBlockMax = 64;  // inputs in a block at most: its int32 sums cannot overflow (|sum| < 8 * 64 * 2^21)
-constexpr int kLimbs = 3;          // 7-bit limbs of an input's 22-bit fixed point, the top one signed
-constexpr int kFraction = 20;      // bits of the fixed point below the exponent of a block's largest input
+constexpr int kLimbBits = 7;       // bits of a limb below the top one (whose eighth is the sign)
+
+// Bits of the fixed point below the exponent of a block's largest input, for `Limbs` 7-bit limbs: the largest
+// (below 2^(E + 1)) times 2^(F - E) fits the top limb's signed byte.
+constexpr int fraction_of(int limbs) { return kLimbBits * limbs - 1; }
 
 // The inputs a block of a group of `group` holds: the group, or its largest part of a multiple of kChunk up to
 // kBlockMax.
@@ -60,16 +65,17 @@ int64_t block_of(int64_t group) {
   return block;
 }
 
-// A row of x as the kernel reads it: for each chunk, kLimbs x 8 bytes (each limb's four bytes matching the low
+// A row of x as the kernel reads it: for each chunk, `Limbs` x 8 bytes (each limb's four bytes matching the low
 // nibbles of a dword lane's bytes, inputs 0, 4, 1, 5 of the chunk, then the four matching the high nibbles, inputs
-// 2, 6, 3, 7); for each block, 8 times the sum of its fixed-point inputs and the float32 2^(E - 20) one of them is.
+// 2, 6, 3, 7); for each block, 8 times the sum of its fixed-point inputs and the float32 2^(E - F) one of them is.
+template <int Limbs>
 struct FixedRows {
   int64_t chunks = 0, blocks = 0;
-  std::vector<int8_t> limbs;     // [rows, chunks, kLimbs, 8]
+  std::vector<int8_t> limbs;     // [rows, chunks, Limbs, 8]
   std::vector<int32_t> offsets;  // [rows, blocks]: 8 * sum of the block's fixed-point inputs
-  std::vector<float> units;      // [rows, blocks]: 2^(E - 20), or NaN where an input is not finite
+  std::vector<float> units;      // [rows, blocks]: 2^(E - F), or NaN where an input is not finite
 
-  const int8_t* limbs_of(int64_t r) const { return limbs.data() + r * chunks * kLimbs * kChunk; }
+  const int8_t* limbs_of(int64_t r) const { return limbs.data() + r * chunks * Limbs * kChunk; }
   const int32_t* offsets_of(int64_t r) const { return offsets.data() + r * blocks; }
   const float* units_of(int64_t r) const { return units.data() + r * blocks; }
 };
@@ -80,10 +86,10 @@ DB_TARGET inline __m512i byte_order(__m512i fixed) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), fixed);
 }
 
-// The 8 bytes of each of the `chunks` (1 or 2) chunks in `bytes` written to `to` and `to` + kLimbs * kChunk.
-DB_TARGET inline void store_limb(int8_t* to, __m128i bytes, int64_t chunks) {
+// The 8 bytes of each of the `chunks` (1 or 2) chunks in `bytes` written to `to` and `to` + `stride`.
+DB_TARGET inline void store_limb(int8_t* to, __m128i bytes, int64_t chunks, int64_t stride) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(to), bytes);
-  if (chunks == 2) _mm_storel_epi64(reinterpret_cast<__m128i*>(to + kLimbs * kChunk), _mm_unpackhi_epi64(bytes, bytes));
+  if (chunks == 2) _mm_storel_epi64(reinterpret_cast<__m128i*>(to + stride), _mm_unpackhi_epi64(bytes, bytes));
 }
 
 // 2^e as a float32, for e from -149 to 127 (below -126 a subnormal one).
@@ -95,11 +101,13 @@ inline float power_of_two(int e) {
 }
 
 // x [rows, in] bf16 in fixed point, `block` inputs a block, into `f` (kept by the calling thread, reused call to call).
-DB_TARGET void to_fixed(const at::Tensor& x, int64_t block, FixedRows& f) {
+template <int Limbs>
+DB_TARGET void to_fixed(const at::Tensor& x, int64_t block, FixedRows<Limbs>& f) {
+  constexpr int kFraction = fraction_of(Limbs);
   const int64_t rows = x.size(0), in = x.size(1);
   f.chunks = in / kChunk;
   f.blocks = in / block;
-  f.limbs.resize(rows * f.chunks * kLimbs * kChunk);
+  f.limbs.resize(rows * f.chunks * Limbs * kChunk);
   f.offsets.resize(rows * f.blocks);
   f.units.resize(rows * f.blocks);
   const auto* xp = x.data_ptr<c10::BFloat16>();
@@ -116,11 +124,11 @@ DB_TARGET void to_fixed(const at::Tensor& x, int64_t block, FixedRows& f) {
         not_finite |= _mm512_cmpeq_epi32_mask(bits, exponent_bits);
         largest = _mm512_max_ps(largest, _mm512_abs_ps(value));
       }
-      // E from the largest's exponent bits (-127 where it is subnormal or zero: its inputs then fit in 2^(E - 20) too)
+      // E from the largest's exponent bits (-127 where it is subnormal or zero: its inputs then fit in 2^(E - F) too)
       const int exponent = (_mm512_reduce_max_epi32(_mm512_castps_si512(largest)) >> 23) - 127;
       f.units[r * f.blocks + b] =
           not_finite ? std::numeric_limits<float>::quiet_NaN() : power_of_two(exponent - kFraction);
-      // 2^(20 - E) in two factors (it reaches 2^147), each exact: a power of 2 times a bf16 value
+      // 2^(F - E) in two factors (it reaches 2^147), each exact: a power of 2 times a bf16 value
       const __m512 half_way = _mm512_set1_ps(power_of_two((kFraction - exponent) / 2));
       const __m512 rest = _mm512_set1_ps(power_of_two(kFraction - exponent - (kFraction - exponent) / 2));
       __m512i sum = _mm512_setzero_si512();
@@ -129,10 +137,14 @@ DB_TARGET void to_fixed(const at::Tensor& x, int64_t block, FixedRows& f) {
         const __m512i fixed = byte_order(_mm512_cvtps_epi32(scaled));
         sum = _mm512_add_epi32(sum, fixed);
         const int64_t chunks = std::min<int64_t>(2, (block - i) / kChunk);
-        int8_t* to = f.limbs.data() + ((r * f.chunks + (b * block + i) / kChunk) * kLimbs) * kChunk;
-        store_limb(to, _mm512_cvtepi32_epi8(_mm512_srai_epi32(fixed, 14)), chunks);  // signed top limb, -128..127
-        store_limb(to + kChunk, _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(fixed, 7), seven)), chunks);
-        store_limb(to + 2 * kChunk, _mm512_cvtepi32_epi8(_mm512_and_si512(fixed, seven)), chunks);
+        int8_t* to = f.limbs.data() + ((r * f.chunks + (b * block + i) / kChunk) * Limbs) * kChunk;
+        constexpr int64_t stride = Limbs * kChunk;
+        constexpr int top = kLimbBits * (Limbs - 1);
+        store_limb(to, _mm512_cvtepi32_epi8(_mm512_srai_epi32(fixed, top)), chunks, stride);  // signed, -128..127
+        for (int l = 1; l < Limbs; ++l) {
+          const __m512i limb = _mm512_and_si512(_mm512_srli_epi32(fixed, top - kLimbBits * l), seven);
+          store_limb(to + l * kChunk, _mm512_cvtepi32_epi8(limb), chunks, stride);
+        }
       }
       f.offsets[r * f.blocks + b] = 8 * _mm512_reduce_add_epi32(sum);
     }
@@ -166,9 +178,9 @@ constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles
 // `Rows` rows of x (fixed point, `x`) times `Tiles` adjacent tiles (each `tile_words` and `tile_scales` apart): 16
 // outputs a tile of each row written to y (rows `ldy` apart), the first `valid` of the last tile's (a weight's last
 // tile may be partial).
-template <int Rows, int Tiles, Hint H, typename Scale>
+template <int Rows, int Tiles, Hint H, int Limbs, typename Scale>
 DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale* scales, int64_t tile_scales,
-                         const FixedRows& x, int64_t row, int64_t group, int64_t block, c10::BFloat16* y, int64_t ldy,
+                         const FixedRows<Limbs>& x, int64_t row, int64_t group, int64_t block, c10::BFloat16* y, int64_t ldy,
                          int64_t valid) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   // the low- and high-nibble products keep their own sums where too few rows and tiles keep vpdpbusd busy
@@ -191,10 +203,10 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
     for (int r = 0; r < Rows; ++r)
       for (int t = 0; t < Tiles; ++t) in_group[r][t] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k0 + group; k += block, ++b) {
-      __m512i sums[Rows][Tiles][kLimbs][Halves];
+      __m512i sums[Rows][Tiles][Limbs][Halves];
       for (int r = 0; r < Rows; ++r)
         for (int t = 0; t < Tiles; ++t)
-          for (int l = 0; l < kLimbs; ++l)
+          for (int l = 0; l < Limbs; ++l)
             for (int h = 0; h < Halves; ++h) sums[r][t][l][h] = _mm512_setzero_si512();
       for (int64_t c = k / kChunk; c < k / kChunk + chunks; ++c, words += kWords) {
         __m512i nibbles[Tiles][2];
@@ -205,8 +217,8 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
           nibbles[t][1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         }
         for (int r = 0; r < Rows; ++r) {
-          const int8_t* limb = limbs[r] + c * kLimbs * kChunk;
-          for (int l = 0; l < kLimbs; ++l)
+          const int8_t* limb = limbs[r] + c * Limbs * kChunk;
+          for (int l = 0; l < Limbs; ++l)
             for (int n = 0; n < 2; ++n) {
               for (int t = 0; t < Tiles; ++t)
                 add_products(sums[r][t][l][n % Halves], nibbles[t][n], limb + l * kChunk + 4 * n);
@@ -217,14 +229,14 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
         const __m512i offset = _mm512_set1_epi32(offsets[r][b]);
         const __m512 unit = _mm512_set1_ps(units[r][b]);
         for (int t = 0; t < Tiles; ++t) {
-          __m512i limb_sum[kLimbs];
-          for (int l = 0; l < kLimbs; ++l) {
-            limb_sum[l] = sums[r][t][l][0];
-            if constexpr (Halves == 2) limb_sum[l] = _mm512_add_epi32(limb_sum[l], sums[r][t][l][1]);
+          // ((top * 2^7 + next) * 2^7 + ...) - 8 * sum: exact in int32 (wrapping on the way, not at the end)
+          __m512i total = _mm512_setzero_si512();
+          for (int l = 0; l < Limbs; ++l) {
+            __m512i limb_sum = sums[r][t][l][0];
+            if constexpr (Halves == 2) limb_sum = _mm512_add_epi32(limb_sum, sums[r][t][l][1]);
+            total = _mm512_add_epi32(_mm512_slli_epi32(total, kLimbBits), limb_sum);
           }
-          // (top * 2^7 + middle) * 2^7 + bottom - 8 * sum: exact in int32 (wrapping on the way, not at the end)
-          __m512i total = _mm512_add_epi32(_mm512_slli_epi32(limb_sum[0], 7), limb_sum[1]);
-          total = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(total, 7), limb_sum[2]), offset);
+          total = _mm512_sub_epi32(total, offset);
           in_group[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), unit, in_group[r][t]);
         }
       }
@@ -238,15 +250,15 @@ DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale*
     for (int t = 0; t < Tiles; ++t) store_tile(y + r * ldy + t * kTile, acc[r][t], t == Tiles - 1 ? valid : kTile);
 }
 
-template <typename Scale>
+template <int Limbs, typename Scale>
 void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group, at::Tensor& y) {
   const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), tiles = words.size(0);
   const int64_t block = block_of(group);
   // the calling thread's, reused call to call; the threads of each_pass read it through this reference (a lambda
   // that named the thread_local itself would read its own thread's)
-  static thread_local FixedRows kept;
+  static thread_local FixedRows<Limbs> kept;
   to_fixed(x, block, kept);
-  const FixedRows& fixed = kept;
+  const FixedRows<Limbs>& fixed = kept;
   const auto* wp = reinterpret_cast<const uint16_t*>(words.data_ptr<int16_t>());
   const auto* sp = scales.data_ptr<Scale>();
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -257,13 +269,24 @@ void all_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
   });
 }
 
+template <typename Scale>
+void all_rows_in(int64_t limbs, const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group,
+                 at::Tensor& y) {
+  if (limbs == 2) {
+    all_rows<2, Scale>(x, words, scales, group, y);
+  } else {
+    all_rows<3, Scale>(x, words, scales, group, y);
+  }
+}
+
 at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group,
-                     int64_t out_features) {
+                     int64_t out_features, int64_t limbs) {
   TORCH_CHECK(cpu_has_kernels(), "decodebench_int4::int4_rows needs ", kInstructionSets, "; this CPU lacks one");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16, got ", x.sizes(), " ",
               x.scalar_type());
   TORCH_CHECK(group > 0 && group % kChunk == 0 && x.size(1) % group == 0, "group ", group,
               " must be a multiple of 8 dividing in_features ", x.size(1));
+  TORCH_CHECK(limbs == 2 || limbs == 3, "limbs: 2 or 3 (7-bit limbs of each input's fixed point), got ", limbs);
   const int64_t tiles = (out_features + kTile - 1) / kTile;
   TORCH_CHECK(words.scalar_type() == at::kShort && words.is_contiguous() &&
                   words.sizes() == at::IntArrayRef({tiles, x.size(1) / kChunk, kWords}),
@@ -273,9 +296,9 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& words, const at::Ten
   const at::Tensor rows = x.contiguous();
   at::Tensor y = output_for(x, out_features);
   switch (scales.scalar_type()) {
-    case at::kHalf: all_rows<c10::Half>(rows, words, scales, group, y); break;
-    case at::kBFloat16: all_rows<c10::BFloat16>(rows, words, scales, group, y); break;
-    case at::kFloat: all_rows<float>(rows, words, scales, group, y); break;
+    case at::kHalf: all_rows_in<c10::Half>(limbs, rows, words, scales, group, y); break;
+    case at::kBFloat16: all_rows_in<c10::BFloat16>(limbs, rows, words, scales, group, y); break;
+    case at::kFloat: all_rows_in<float>(limbs, rows, words, scales, group, y); break;
     default: TORCH_CHECK(false, "scales in float16, bfloat16 or float32, got ", scales.scalar_type());
   }
   return y;
@@ -286,7 +309,7 @@ bool supported() { return cpu_has_kernels(); }
 }  // namespace
 
 TORCH_LIBRARY(decodebench_int4, m) {
-  m.def("int4_rows(Tensor x, Tensor words, Tensor scales, int group, int out_features) -> Tensor");
+  m.def("int4_rows(Tensor x, Tensor words, Tensor scales, int group, int out_features, int limbs) -> Tensor");
   m.def("supported() -> bool", &supported);
   m.def("threads() -> int", &threads_used);
   m.def("prefetch_hint() -> str", [] { return std::string(prefetch_hint_name()); });

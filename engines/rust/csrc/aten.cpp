@@ -46,7 +46,7 @@ at::IntArrayRef dims(const int64_t* d, int64_t n) { return at::IntArrayRef(d, st
 // The project's CPU kernels (engines/csrc/), found by name in ATen's dispatcher, where the library the Python side
 // loads (engines/cpu_kernels.py) registered them: the operators the PyTorch engines call. Their weights are packed
 // once at load on the Python side (engines/int4_cpu.py, engines/bf16_cpu.py: `pack`).
-using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+using Int4Rows = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
 using Bf16Rows = Tensor(const Tensor&, const Tensor&, int64_t);
 using OneQuery = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double);
 using RmsNorm = Tensor(const Tensor&, const std::optional<Tensor>&, double);
@@ -105,10 +105,10 @@ T db_linear(T x, T w, int one_row_mv) {
 }
 
 // x @ w.T for a weight held 4-bit: decodebench_int4::int4_rows (engines/csrc/int4_rows.cpp).
-T db_int4_linear(T x, T words, T scales, int64_t group, int64_t out) {
+T db_int4_linear(T x, T words, T scales, int64_t group, int64_t out, int64_t limbs) {
   return guarded([&] {
     static const auto op = kernel<Int4Rows>("decodebench_int4::int4_rows");
-    return by_rows(*x, out, [&](const Tensor& rows) { return op.call(rows, *words, *scales, group, out); });
+    return by_rows(*x, out, [&](const Tensor& rows) { return op.call(rows, *words, *scales, group, out, limbs); });
   });
 }
 

@@ -11,7 +11,7 @@ extern "C" {
     pub fn db_from_python(o: *mut pyo3::ffi::PyObject) -> Raw;
     pub fn db_to_python(t: Raw) -> *mut pyo3::ffi::PyObject;
     fn db_linear(x: Raw, w: Raw, one_row_mv: c_int) -> Raw;
-    fn db_int4_linear(x: Raw, words: Raw, scales: Raw, group: i64, out: i64) -> Raw;
+    fn db_int4_linear(x: Raw, words: Raw, scales: Raw, group: i64, out: i64, limbs: i64) -> Raw;
     fn db_bf16_rows(x: Raw, packed: Raw, out: i64) -> Raw;
     fn db_packed_rows(packed: Raw, ids: Raw) -> Raw;
     fn db_int4_lookup(packed: Raw, scale: Raw, ids: Raw, group: i64, cols: i64, like: Raw) -> Raw;
@@ -141,9 +141,10 @@ impl Tensor {
     pub fn dense_linear(&self, w: &Tensor, one_row_mv: bool) -> Result<Tensor> {
         wrap(unsafe { db_linear(self.0, w.0, one_row_mv as c_int) })
     }
-    /// `x @ w.T` for a weight packed for `decodebench_int4::int4_rows` with `out` outputs, `group` inputs a scale.
-    pub fn int4_linear(&self, words: &Tensor, scales: &Tensor, group: i64, out: i64) -> Result<Tensor> {
-        wrap(unsafe { db_int4_linear(self.0, words.0, scales.0, group, out) })
+    /// `x @ w.T` for a weight packed for `decodebench_int4::int4_rows` with `out` outputs, `group` inputs a scale,
+    /// x held in `limbs` limbs.
+    pub fn int4_linear(&self, words: &Tensor, scales: &Tensor, group: i64, out: i64, limbs: i64) -> Result<Tensor> {
+        wrap(unsafe { db_int4_linear(self.0, words.0, scales.0, group, out, limbs) })
     }
     /// `x @ w.T` for a bf16 weight packed for `decodebench_bf16::bf16_rows` with `out` outputs.
     pub fn bf16_rows(&self, packed: &Tensor, out: i64) -> Result<Tensor> {

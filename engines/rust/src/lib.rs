@@ -73,8 +73,8 @@ fn config(d: &PyDict) -> PyResult<Config> {
 fn packed_linear(value: &PyAny) -> PyResult<Linear> {
     match value.get_item(0)?.extract::<&str>()? {
         "int4" => {
-            let (_, words, scales, group, out): (&str, &PyAny, &PyAny, i64, i64) = value.extract()?;
-            Ok(Linear::Int4 { words: tensor(words)?, scales: tensor(scales)?, group, out })
+            let (_, words, scales, group, out, limbs): (&str, &PyAny, &PyAny, i64, i64, i64) = value.extract()?;
+            Ok(Linear::Int4 { words: tensor(words)?, scales: tensor(scales)?, group, out, limbs })
         }
         "rows" => {
             let (_, packed, out): (&str, &PyAny, i64) = value.extract()?;
@@ -109,7 +109,7 @@ impl Engine {
     /// `config`: shape and constants; `weights`: name -> tensor (Transformers' names); `like`: a
     /// tensor on the device (and of the dtype) the model runs on. `linears` and `tables`: name -> a weight
     /// packed by the Python side, in place of its dense tensor: a linear `("int4", words, scales, group,
-    /// out_features)` for `decodebench_int4::int4_rows` or `("rows", packed, out_features)` for
+    /// out_features, limbs)` for `decodebench_int4::int4_rows` or `("rows", packed, out_features)` for
     /// `decodebench_bf16::bf16_rows`; a table `("int4", words, scales, group, columns)` as the checkpoint
     /// stores it or `("rows", packed)`, tied to a `rows` linear.
     #[new]
@@ -255,7 +255,7 @@ fn shim_op(py: Python<'_>, name: &str, tensors: Vec<&PyAny>, scalars: Vec<f64>) 
     let out = match name {
         "linear" => t[0].dense_linear(&t[1], false),
         "linear_mv" => t[0].dense_linear(&t[1], true),
-        "int4_linear" => t[0].int4_linear(&t[1], &t[2], s(0)? as i64, s(1)? as i64),
+        "int4_linear" => t[0].int4_linear(&t[1], &t[2], s(0)? as i64, s(1)? as i64, s(2)? as i64),
         "int4_lookup" => Tensor::int4_lookup(&t[0], &t[1], &t[2], s(0)? as i64, s(1)? as i64, &t[3]),
         "bf16_rows" => t[0].bf16_rows(&t[1], s(0)? as i64),
         "packed_rows" => Tensor::packed_rows(&t[0], &t[1]),

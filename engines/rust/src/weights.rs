@@ -9,8 +9,9 @@ use crate::aten::{AtenError, Result, Tensor};
 /// A linear's weight, [out, in].
 pub enum Linear {
     Dense(Tensor),
-    /// Packed for `int4_rows` (engines/int4_cpu.py, `pack`): `group` inputs a scale, `out` outputs.
-    Int4 { words: Tensor, scales: Tensor, group: i64, out: i64 },
+    /// Packed for `int4_rows` (engines/int4_cpu.py, `pack`): `group` inputs a scale, `out` outputs, x held in
+    /// `limbs` 7-bit limbs (engines/int4_cpu.py, `LIMBS`).
+    Int4 { words: Tensor, scales: Tensor, group: i64, out: i64, limbs: i64 },
     /// Packed for `bf16_rows` (engines/bf16_cpu.py, `pack`), `out` outputs.
     Rows { packed: Tensor, out: i64 },
 }
@@ -29,7 +30,7 @@ impl Tensor {
     pub fn linear(&self, w: &Linear, one_row_mv: bool) -> Result<Tensor> {
         match w {
             Linear::Dense(t) => self.dense_linear(t, one_row_mv),
-            Linear::Int4 { words, scales, group, out } => self.int4_linear(words, scales, *group, *out),
+            Linear::Int4 { words, scales, group, out, limbs } => self.int4_linear(words, scales, *group, *out, *limbs),
             Linear::Rows { packed, out } => self.bf16_rows(packed, *out),
         }
     }
@@ -39,8 +40,9 @@ impl Linear {
     fn to_device_of(self, like: &Tensor) -> Result<Linear> {
         Ok(match self {
             Linear::Dense(t) => Linear::Dense(t.to_device_of(like)?),
-            Linear::Int4 { words, scales, group, out } => {
-                Linear::Int4 { words: words.to_device_of(like)?, scales: scales.to_device_of(like)?, group, out }
+            Linear::Int4 { words, scales, group, out, limbs } => {
+                let (words, scales) = (words.to_device_of(like)?, scales.to_device_of(like)?);
+                Linear::Int4 { words, scales, group, out, limbs }
             }
             Linear::Rows { packed, out } => Linear::Rows { packed: packed.to_device_of(like)?, out },
         })
