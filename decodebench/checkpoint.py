@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,19 +208,48 @@ def stored_names(path: Path) -> list[str]:
     return names
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, with names as stored."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        if not file.is_file():
-            raise CheckpointError(f"shard {file} named by the index is missing")
+class StoredTensors(Mapping[str, torch.Tensor]):
+    """Every tensor of every shard by its name as stored, read from the file each time it is asked for: with
+    ``pread`` (a tensor of its own, no view of a mapped file), so a caller that drops each tensor once used holds the
+    file's tensors one at a time, not all of them (``stored_tensors`` opens and closes the shards)."""
+
+    def __init__(self, shards: dict[str, Any]) -> None:
+        self.shards = shards  # stored name -> the open shard holding it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shard = self.shards[name]
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    tensors[name] = f.get_tensor(name)
+            return shard.get_tensor(name)
         except Exception as exc:
-            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
-    return tensors
+            raise CheckpointError(f"{name} is unreadable or corrupt in its shard: {exc}") from exc
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+@contextmanager
+def stored_tensors(path: Path) -> Iterator[StoredTensors]:
+    """The checkpoint's shards opened for reading tensor by tensor (``StoredTensors``), closed on leaving."""
+    with ExitStack() as stack:
+        shards: dict[str, Any] = {}
+        for file in _weight_files(path):
+            if not file.is_file():
+                raise CheckpointError(f"shard {file} named by the index is missing")
+            try:
+                shard = stack.enter_context(safe_open(str(file), framework="pt", backend="pread"))
+                shards.update(dict.fromkeys(shard.keys(), shard))
+            except Exception as exc:
+                raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
+        yield StoredTensors(shards)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, with names as stored, all at once."""
+    with stored_tensors(path) as tensors:
+        return dict(tensors)
 
 
 def _text_prefix(names: list[str]) -> str:
@@ -248,10 +279,14 @@ def _quant_args(quantization: dict[str, Any] | None, stored_name: str, is_table:
     raise CheckpointError(f"no quantization group targets {stored_name}")
 
 
-def unpack_weight(tensors: dict[str, torch.Tensor], stored: str) -> torch.Tensor:
+def stored_shape(tensors: Mapping[str, torch.Tensor], stored: str) -> tuple[int, ...]:
+    """[out, in] of a pack-quantized weight, as its ``weight_shape`` tensor states it."""
+    return tuple(tensors[f"{stored}.weight_shape"].tolist())
+
+
+def unpack_weight(tensors: Mapping[str, torch.Tensor], stored: str) -> torch.Tensor:
     """Int4 levels (int8, -8..7) of a pack-quantized weight, shape [out, in]."""
-    shape = torch.Size(tensors[f"{stored}.weight_shape"].tolist())
-    return unpack_from_int32(tensors[f"{stored}.weight_packed"], 4, shape)
+    return unpack_from_int32(tensors[f"{stored}.weight_packed"], 4, torch.Size(stored_shape(tensors, stored)))
 
 
 def dequantize(levels: torch.Tensor, scale: torch.Tensor, args: QuantizationArgs, dtype: torch.dtype) -> torch.Tensor:
@@ -268,13 +303,20 @@ def text_state_dict(
     """The model's state dict (names as ``Gemma4ForCausalLM`` wants them), dequantized to ``dtype``.
 
     Tables named in ``keep_packed`` (and with ``keep_linears`` every packed linear) stay int4 and are
-    returned separately, keyed by module path, as views of the mapped file (an engine's int4 tables are its
-    weights: their pages are resident either way). Every tensor of the state dict is a copy: one left a view of the
-    mapped file (a norm's weight already in ``dtype``, which ``from_pretrained`` keeps as it is) would keep the whole
-    file mapped, and every page the load read of it resident (6.5 GB of e2b-synthetic's W4A16 twin, counted in the
-    process's resident set, for a few kilobytes of norms).
+    returned separately, keyed by module path. Each stored tensor is read when its module is (``StoredTensors``: no
+    view of a mapped file) and dropped once dequantized, so the load holds the dequantized state dict and one
+    module's stored tensors at most: read all at once, or as views of the mapped file, the file's tensors were held
+    beside the state dict until the end (6.5 GB of e2b-synthetic's W4A16 twin in the peak of the dense Rust engine's
+    load, 16.5 GB where its state dict was 10.2), and a view left in the state dict (a norm already in ``dtype``) kept
+    every page the load had read resident after it.
     """
-    tensors = read_tensors(ckpt.path)
+    with stored_tensors(ckpt.path) as tensors:
+        return _text_state_dict(ckpt, tensors, dtype, keep_packed, keep_linears)
+
+
+def _text_state_dict(ckpt: Checkpoint, tensors: StoredTensors, dtype: torch.dtype, keep_packed: tuple[str, ...],
+                     keep_linears: bool) -> tuple[dict[str, torch.Tensor], dict[str, PackedTable]]:  # fmt: skip
+    """``text_state_dict`` over the open shards."""
     prefix = _text_prefix(list(tensors))
     out: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedTable] = {}
@@ -293,7 +335,7 @@ def text_state_dict(
             is_table = module.endswith(("embed_tokens", "embed_tokens_per_layer")) or module == "lm_head"
             args = _quant_args(ckpt.quantization, stored_module, is_table)
             scale = tensors[f"{stored_module}.weight_scale"]
-            rows, cols = shape = tuple(tensors[f"{stored_module}.weight_shape"].tolist())
+            rows, cols = shape = stored_shape(tensors, stored_module)
             if cols % args.group_size or tuple(scale.shape) != (rows, cols // args.group_size):
                 raise CheckpointError(
                     f"{stored_module}: {tuple(scale.shape)} scales do not fit a {shape} weight quantized with "
@@ -303,10 +345,9 @@ def text_state_dict(
                 packed[module] = PackedTable(tensors[stored], scale, shape, args.group_size)
                 continue
             out[f"{module}.weight"] = dequantize(unpack_weight(tensors, stored_module), scale, args, dtype)
-        elif tensors[stored].is_floating_point():
-            out[name] = tensors[stored].to(dtype, copy=True)
         else:
-            out[name] = tensors[stored].clone()
+            value = tensors[stored]
+            out[name] = value.to(dtype) if value.is_floating_point() else value
     return out, packed
 
 

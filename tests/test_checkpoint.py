@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decodebench.checkpoint import CheckpointError, load_model, open_checkpoint
+from decodebench import checkpoint
+from decodebench.checkpoint import CheckpointError, StoredTensors, load_model, open_checkpoint, text_state_dict
 from decodebench.synthetic import build, checkpoint_key
 from tests.conftest import make_cfg
 
@@ -101,6 +104,38 @@ def test_the_loaded_model_holds_no_view_of_the_checkpoint_file(tiny, dtype):
     views = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
              if any(start <= t.data_ptr() < end for start, end in ranges)]  # fmt: skip
     assert views == []
+
+
+def test_the_loader_holds_one_modules_stored_tensors_at_a_time(tiny, monkeypatch):
+    """Each packed weight's words and scales are read when its module is and dropped once dequantized: whenever a
+    weight is dequantized, the words and scales read from the file and still alive are one module's at most (read all
+    at once, every module's were alive beside the state dict until the load's end)."""
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+    most = 0
+    read, dequantize = StoredTensors.__getitem__, checkpoint.dequantize
+
+    def reading(self: StoredTensors, name: str) -> torch.Tensor:
+        tensor = read(self, name)
+        if name.endswith(("weight_packed", "weight_scale")):
+            alive.add(tensor)
+        return tensor
+
+    def dequantizing(*args, **kwargs) -> torch.Tensor:
+        nonlocal most
+        gc.collect()
+        most = max(most, sum(t.nbytes for t in alive))
+        return dequantize(*args, **kwargs)
+
+    monkeypatch.setattr(StoredTensors, "__getitem__", reading)
+    monkeypatch.setattr(checkpoint, "dequantize", dequantizing)
+    stored = load_file(tiny.w4a16 / "model.safetensors")
+    modules = {name.rpartition(".")[0] for name in stored if name.endswith("weight_packed")}
+    one_module = max(stored[f"{m}.weight_packed"].nbytes + stored[f"{m}.weight_scale"].nbytes for m in modules)
+    all_modules = sum(stored[f"{m}.weight_packed"].nbytes + stored[f"{m}.weight_scale"].nbytes for m in modules)
+    text_state_dict(open_checkpoint(tiny.w4a16), torch.bfloat16)
+    largest_scales = max(stored[f"{m}.weight_scale"].nbytes for m in modules)  # alive while its module dequantizes
+    assert len(modules) > 1 and one_module < all_modules / 2  # a load that held them all would be caught
+    assert largest_scales <= most <= one_module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
