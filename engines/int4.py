@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from enum import StrEnum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,16 @@ def chosen(device_kind: str, dtype: torch.dtype, group: int) -> str:
 def kernels_of(model: nn.Module) -> str:
     """The kernels ``model``'s ``Int4Linear`` modules compute with, by name, comma-separated."""
     return ", ".join(sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)}))
+
+
+def described(model: nn.Module, linears: int) -> dict[str, Any]:
+    """What the evidence says of ``model``'s int4 linears (``linears`` of them, as the checkpoint has them): their
+    kernels by name and, where ``int4_rows`` computes them, what its limbs keep of x (``int4_cpu.LIMBS``)."""
+    limbs = sorted({m.limbs for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == int4_cpu.OP})
+    facts: dict[str, Any] = {"int4_kernel": kernels_of(model), "int4_linears": linears}
+    if limbs:
+        facts["int4_exactness"] = "; ".join(f"{n} limbs: {int4_cpu.LIMBS[n]}" for n in limbs)
+    return facts
 
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes (inputs per scale) the cpu and cuda kernels take

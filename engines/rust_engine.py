@@ -238,7 +238,7 @@ class RustEngine(Engine):
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:
-            described.update(int4_kernel=int4.kernels_of(self.model), int4_linears=self.int4_linears)
+            described.update(int4.described(self.model, self.int4_linears))
         return described
 
 

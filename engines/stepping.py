@@ -264,7 +264,7 @@ class SteppingEngine(SteppedEngine):
                                    "kept_4bit": [p.rpartition(".")[2] for p in self.packed_tables]
                                    + (["linears"] if self.int4 else [])}  # fmt: skip
         if self.int4:
-            weights.update(int4_kernel=int4.kernels_of(self.model), int4_linears=self.int4_linears)
+            weights.update(int4.described(self.model, self.int4_linears))
         for path, table in self.packed_tables.items():
             rows, cols = table.shape
             weights[f"{path.rpartition('.')[2]}_bytes"] = table.packed.nbytes + table.scale.nbytes

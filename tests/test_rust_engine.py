@@ -16,7 +16,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 from decodebench.checkpoint import open_checkpoint
 from decodebench.config import ConfigError
 from decodebench.device import Device
-from engines import bf16_cpu, greedy_cpu, int4, norm_cpu
+from engines import bf16_cpu, greedy_cpu, int4, int4_cpu, norm_cpu
 from engines.rust_engine import RustEngine, int4_unsupported
 from runner import run_cell, typed_config
 from tests.conftest import opened
@@ -268,6 +268,7 @@ def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, 
     engine = record["engine"]
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
     assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
+    assert engine["int4_exactness"] == f"{limbs} limbs: {int4_cpu.LIMBS[limbs]}"
     kernels = not norm_cpu.unsupported("cpu", torch.bfloat16)
     assert (engine["norm"], engine["rope"]) == ((norm_cpu.OP, norm_cpu.ROPE) if kernels else (norm_cpu.EAGER,) * 2)
     assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())
