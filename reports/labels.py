@@ -4,7 +4,8 @@ A way's short label is its engine followed by the values of only those settings 
 (``engine_config`` pairs, then ``read_every``, the article way a cell names, the A/A replica, the batch: ``B=4``),
 joined by ``·``: two ring rows that differ only in ``weights`` read ``ring·dense`` and ``ring·int4``, an engine
 measured one way only reads its bare name. A value that says nothing alone (``true``, ``none``, a number) keeps
-its key (``compile=true``). Model, device, context and N are columns of the tables beside the label, never part of
+its key (``compile=true``); a setting a row's evidence does not record (written before the setting existed) reads
+``key=–``. Model, device, context and N are columns of the tables beside the label, never part of
 it; environment and code are footnotes (``footnotes``).
 """
 
@@ -39,7 +40,7 @@ def _part(key: str, value: str) -> str:
     if key == "way":
         return value or "no way"
     speaks = value and not value.replace(".", "").isdigit() and value.lower() not in ("true", "false", "none", "auto")
-    return value if speaks else f"{key}={value}"
+    return value if speaks else f"{key}={value or '–'}"
 
 
 def short_labels(table: pd.DataFrame) -> pd.Series:

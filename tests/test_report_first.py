@@ -38,6 +38,9 @@ def test_short_labels_name_only_the_settings_that_differ_and_the_legend_maps_the
             {"engine": "compiled", "engine_config": "fullgraph=False one_row=mv", "read_every": 0, "way": None,
              "replica": 1},
             {"engine": "generate", "engine_config": "", "read_every": 0, "way": "nb04/generate", "replica": 0},
+            {"engine": "rust", "engine_config": "weights=int4", "read_every": 0, "way": None, "replica": 0},
+            {"engine": "rust", "engine_config": "int4_limbs=2 weights=int4", "read_every": 0, "way": None,
+             "replica": 0},
         ]
     )  # fmt: skip
     table["way_label"] = labels.short_labels(table)
@@ -47,6 +50,8 @@ def test_short_labels_name_only_the_settings_that_differ_and_the_legend_maps_the
         "compiled·fullgraph=True·A/A0",  # a value that does not name itself keeps its key
         "compiled·fullgraph=False·A/A1",
         "generate",  # one way of its engine: the bare name
+        "rust·int4_limbs=–",  # evidence from before the setting existed does not record it
+        "rust·int4_limbs=2",
     ]
     legend = labels.legend(table).set_index("way")
     assert legend.loc["ring·int4", "settings"] == "attend=cache weights=int4"
