@@ -246,12 +246,6 @@ def stored_tensors(path: Path) -> Iterator[StoredTensors]:
         yield StoredTensors(shards)
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, with names as stored, all at once."""
-    with stored_tensors(path) as tensors:
-        return dict(tensors)
-
-
 def _text_prefix(names: list[str]) -> str:
     for prefix in TEXT_PREFIXES:
         if any(n.startswith(prefix + "layers.") for n in names):

@@ -87,7 +87,15 @@ def random_weight(
     exactly, in float64 [out, inputs]."""
     levels = torch.randint(-8, 8, (out, inputs), generator=generator, dtype=torch.int8)
     scale = ((torch.rand(out, inputs // group, generator=generator) * 0.02 + 1e-3) * 2.0**scale_power).to(scale_dtype)
+    return packed_and_exact(levels, scale)
+
+
+def packed_and_exact(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Levels [out, inputs] and their scales packed for the kernel (words, scales), and the weight exactly, in
+    float64."""
+    out, inputs = levels.shape
     words, scales = int4_cpu.pack(levels, scale)
+    group = inputs // scale.shape[1]
     return words, scales, (levels.double().view(out, -1, group) * scale.double()[..., None]).view(out, inputs)
 
 
@@ -157,20 +165,19 @@ def test_x_is_held_in_the_limbs_asked_for(group, limbs):
     that count holds it (``held_in_limbs``), and, for two limbs, that product is further from the exact one than this
     allowance on more than half the outputs (about four in five): a kernel holding x in the other count fails here."""
     generator = torch.Generator().manual_seed(group + limbs)
-    words_shape = (64, 256)
-    levels = torch.randint(-8, 8, words_shape, generator=generator, dtype=torch.int8)
-    block = block_of(group)
+    out, inputs, block = 64, 256, block_of(group)
+    levels = torch.randint(-8, 8, (out, inputs), generator=generator, dtype=torch.int8)
     levels[:, ::block] = 0
-    scale = (torch.rand(64, 256 // group, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
-    words, scales = int4_cpu.pack(levels, scale)
-    weight = (levels.double().view(64, -1, group) * scale.double()[..., None]).view(64, 256)
-    x = (torch.rand(2, 256, generator=generator) + 1.0) * 2.0**-10 * torch.where(torch.rand(2, 256) < 0.5, -1, 1)
+    scale = (torch.rand(out, inputs // group, generator=generator) * 0.02 + 1e-3).to(torch.bfloat16)
+    words, scales, weight = packed_and_exact(levels, scale)
+    sign = torch.where(torch.rand(2, inputs, generator=generator) < 0.5, -1.0, 1.0)
+    x = (torch.rand(2, inputs, generator=generator) + 1.0) * 2.0**-10 * sign
     x[:, ::block] = 1.0
     x = x.to(torch.bfloat16)
-    got = int4_cpu.rows(x, words, scales, group, 64, limbs).double()
+    got = int4_cpu.rows(x, words, scales, group, out, limbs).double()
     held = held_in_limbs(x, group, limbs) @ weight.T
     magnitude = x.double().abs() @ weight.abs().T
-    allowance = held.abs() * 2.0**-8 + magnitude * 256 * 2.0**-24
+    allowance = held.abs() * 2.0**-8 + magnitude * inputs * 2.0**-24
     assert ((got - held).abs() <= allowance).all()
     moved = (held - x.double() @ weight.T).abs() > 2 * allowance
     assert moved.double().mean() > 0.5 if limbs == 2 else not moved.any()

@@ -13,7 +13,7 @@ from decodebench.checkpoint import (
     _quant_args,
     dequantize,
     open_checkpoint,
-    read_tensors,
+    stored_tensors,
     text_state_dict,
     unpack_weight,
 )
@@ -52,15 +52,15 @@ def test_int4_unpack_equals_the_dequantized_weights(tiny):
 
     ckpt = open_checkpoint(tiny.w4a16)
     _, packed = text_state_dict(ckpt, torch.float32, keep_linears=True)
-    tensors = read_tensors(ckpt.path)
     stored = "model.language_model.layers.1.mlp.down_proj"
     table = packed["model.layers.1.mlp.down_proj"]
-    expected = dequantize(
-        unpack_weight(tensors, stored),
-        tensors[f"{stored}.weight_scale"],
-        _quant_args(ckpt.quantization, stored, False),
-        torch.float32,
-    )
+    with stored_tensors(ckpt.path) as tensors:
+        expected = dequantize(
+            unpack_weight(tensors, stored),
+            tensors[f"{stored}.weight_scale"],
+            _quant_args(ckpt.quantization, stored, False),
+            torch.float32,
+        )
     got = unpack_int4(Int4(jnp.asarray(table.packed.numpy()), jnp.asarray(table.scale.float().numpy())), jnp.float32)
     assert got.shape == tuple(expected.shape)
     assert torch.equal(torch.from_numpy(jax.device_get(got).copy()), expected)

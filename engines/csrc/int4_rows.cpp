@@ -15,9 +15,10 @@
 // (F = 13: within 2^6 exact, the rest rounded at 2^-14), whose products are two thirds of the work.
 // Dword lane o of a chunk's 64 bytes holds in its bytes' low nibbles the levels + 8 of output o's inputs 0, 4, 1, 5
 // and in their high nibbles those of inputs 2, 6, 3, 7: a mask and a shift give two vectors of 16 x 4 unsigned
-// bytes, and vpdpbusd multiplies each by the four matching bytes of a limb broadcast to every lane, adding the four products to the lane's int32 sum. At a
-// block's end the limbs' sums are put together (the +8 taken off by the block's input sum), exactly in int32, turned
-// to float32 times 2^(E - F); at a group's end the group's sum is scaled; at the tile's end rounded to bf16 once.
+// bytes, and vpdpbusd multiplies each by the four matching bytes of a limb broadcast to every lane, adding the four
+// products to the lane's int32 sum. At a block's end the limbs' sums are put together (the +8 taken off by the
+// block's input sum), exactly in int32, turned to float32 times 2^(E - F); at a group's end the group's sum is
+// scaled; at the tile's end rounded to bf16 once.
 // A lane is an output, so no horizontal sum is needed. Rows of x are taken four at a time over two tiles side by
 // side (16 outputs by K inputs each, at most 56 KiB on E2B's shapes): the first four read them from memory, the rest
 // from the core's cache. A block with an input that is not finite makes the row's outputs NaN.
@@ -180,8 +181,8 @@ constexpr int64_t kRows = 4;  // rows of x computed per pass over two tiles
 // tile may be partial).
 template <int Rows, int Tiles, Hint H, int Limbs, typename Scale>
 DB_TARGET void tile_rows(const uint16_t* words, int64_t tile_words, const Scale* scales, int64_t tile_scales,
-                         const FixedRows<Limbs>& x, int64_t row, int64_t group, int64_t block, c10::BFloat16* y, int64_t ldy,
-                         int64_t valid) {
+                         const FixedRows<Limbs>& x, int64_t row, int64_t group, int64_t block, c10::BFloat16* y,
+                         int64_t ldy, int64_t valid) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   // the low- and high-nibble products keep their own sums where too few rows and tiles keep vpdpbusd busy
   constexpr int Halves = Rows * Tiles <= 2 ? 2 : 1;
