@@ -19,10 +19,16 @@ also checks that the int4 output equals the dense one on the dequantized weight 
 the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors), so the report can
 give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``), and the
 machine's streaming read just after it (``extra_info["read_gb_s"]``, ``hardware.read_now``, the project's stream
-read beside torch's), which the GB/s is a share of.
+read beside torch's). A memory row also alternates, ``PAIRED_ROUNDS`` times, one pass over every copy of its weight
+with one streaming read (``extra_info["read_pairs"]``: the GB/s of each, round by round), so its share of the read is
+taken at the same moment: on a shared host the read moves 2x within minutes, which a read after the benchmark does not
+see.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,7 +37,7 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 from decodebench import hardware
-from decodebench.device import cache_bytes, resolve_device
+from decodebench.device import Device, cache_bytes, measure_bandwidth, resolve_device
 from engines import cpu_kernels, int4, int4_cpu, one_row
 from engines.joined import JOINED
 from tests.conftest import e2b_text_config
@@ -75,6 +81,8 @@ CACHED_BYTES = torch.get_num_threads() * (cache_bytes(2) or 2 << 20) // 2
 # Outputs of a cache-resident weight come in multiples of this: two tiles of 16 for each thread (the row kernels share
 # tiles between threads two at a time), so every thread gets as many.
 CACHED_STEP = 32 * torch.get_num_threads()
+# Memory rows: rounds of one pass over every copy against one streaming read, which of the two goes first alternating.
+PAIRED_ROUNDS = 9
 # Bytes a weight holds per input of one output: bf16; int4 levels with a bf16 scale (and aten's zero) per 32 inputs.
 HELD_PER_WEIGHT = {"dense": 2.0, "int4": 0.5 + 4 / 32}
 
@@ -87,6 +95,31 @@ def cached_outputs(shape: tuple[int, int], weights: str) -> int:
     if out * per_output <= CACHED_BYTES:
         return out
     return max(CACHED_STEP, int(CACHED_BYTES // per_output) // CACHED_STEP * CACHED_STEP)
+
+
+def read_pairs(one_pass: Callable[[], None], nbytes: int, device: Device) -> list[dict[str, float]]:
+    """``PAIRED_ROUNDS`` rounds, each the GB/s of ``one_pass`` (which reads ``nbytes``, 1e9 bytes a GB; timer from
+    before its first call to after its last, ``device.sync()`` at both ends) and of the machine's streaming read at that
+    moment (``measure_bandwidth``'s read, the best of torch's reductions and the project's stream read over
+    ``read_bytes``, one repeat: the figure a cell's roofline divides by), the pass first in even rounds, the read first
+    in odd ones."""
+    def passed() -> float:
+        device.sync()
+        start = time.perf_counter()
+        one_pass()
+        device.sync()
+        return nbytes / (time.perf_counter() - start) / 1e9
+
+    def read() -> float:
+        return measure_bandwidth(device, repeats=1, copy=False, reads=cpu_kernels.reads(device))["value"]
+
+    rounds = []
+    for turn in range(PAIRED_ROUNDS):
+        first, second = (passed, read) if turn % 2 == 0 else (read, passed)
+        a, b = first(), second()
+        kernel_gb_s, read_gb_s = (a, b) if turn % 2 == 0 else (b, a)
+        rounds.append({"kernel_gb_s": kernel_gb_s, "read_gb_s": read_gb_s})
+    return rounds
 
 
 @pytest.fixture(scope="module")
@@ -144,5 +177,7 @@ def test_linear(benchmark, device, shape, weights, residence):
     y = benchmark(call)
     # what the machine's streaming read gave just after (a shared host's moves within minutes): the GB/s beside it
     benchmark.extra_info["read_gb_s"] = hardware.read_now(device, cpu_kernels.reads(device))["value"]
+    if not cached:
+        benchmark.extra_info["read_pairs"] = read_pairs(lambda: [call() for _ in range(copies)], held * copies, device)
     reference = F.linear(x.float(), dense.to(device.torch_device))
     assert (y.float() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -425,6 +425,24 @@ def test_bench_table_reads_pytest_benchmark_json(tmp_path):
     assert set(table.residence) == {"memory"} and set(table.bound) == {"–"}  # a file from before the cache rows
 
 
+def test_bench_table_takes_the_share_of_the_read_from_paired_rounds(tmp_path):
+    """Rounds alternating a pass over the weights with the streaming read give the share of the read at each moment:
+    the host's read moving 2x between rounds leaves a kernel at half of it every round at half, interval and all."""
+    reads = [20.0, 40.0, 25.0, 36.0, 30.0]
+    pairs = [{"kernel_gb_s": r / 2, "read_gb_s": r} for r in reads]
+    info = {"bytes": 10_000_000, "read_gb_s": 80.0, "read_pairs": pairs}  # the read after: another moment's
+    old = {"bytes": 10_000_000, "read_gb_s": 40.0}  # a file from before the rounds: the read after
+    benchmarks = [{"params": {"shape": [1536, 12288], "weights": weights}, "stats": {"median": 1e-3, "rounds": 10},
+                   "extra_info": extra} for weights, extra in (("int4", info), ("dense", old))]  # fmt: skip
+    (tmp_path / "int4-linear.json").write_text(json.dumps({"benchmarks": benchmarks}))
+    table = bench_table(tmp_path).set_index("weights")
+    assert table.of_read["int4"] == pytest.approx(0.5) and table.read_gb_s["int4"] == pytest.approx(30.0)
+    assert table.of_read_shown["int4"] == "50 % [50, 50] n=5"  # unpaired, the rounds' reads would spread it
+    assert table.of_read["dense"] == pytest.approx(0.25) and table.of_read_shown["dense"] == "25 %"
+    text = render.environment().get_template("bench.md.j2").render(bench=bench_table(tmp_path))
+    assert "| 50 % [50, 50] n=5 |" in text and "| 25 % |" in text
+
+
 def test_bench_cache_rows_fit_the_cores_l2():
     """``make bench-int4``'s cache-resident weights: at most ``CACHED_BYTES`` held, every output of a shape that fits,
     else whole steps of tiles for every thread, and never more outputs than the shape has."""

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from reports.uncertainty import ratio, sampled, shown
+from decodebench.stats import Interval, ratio_interval
+from reports.uncertainty import decimals, figure, ratio, sampled, shown
 
 FLOOR = "16x64"  # tests/bench_int4.py's FLOOR: one tile of outputs, what a call costs before it reads anything
 NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them with --benchmark-save-data"
@@ -18,7 +19,10 @@ def bench_table(folder: Path) -> pd.DataFrame:
     the dense/int4 ratio per shape on the same machine, and where the file records the bytes a call reads
     (``extra_info["bytes"]``) the GB/s the kernel reaches alone (bytes over the median, 1e9 bytes a GB), and where it
     records the machine's streaming read just after the benchmark (``extra_info["read_gb_s"]``) that GB/s as a share of
-    it (``of_read``). The same kernel's median on the ``FLOOR`` weight (a call that reads next to nothing) is each row's
+    it (``of_read``); where it records rounds alternating a pass over the weights with the streaming read
+    (``extra_info["read_pairs"]``) ``of_read`` is the median of the passes' GB/s over the median of the reads', its 95%
+    interval from the rounds taken in pairs (``of_read_shown``, in percent), and ``read_gb_s`` the reads' median. The
+    same kernel's median on the ``FLOOR`` weight (a call that reads next to nothing) is each row's
     ``floor_s``, and ``past_floor_gb_s`` the bytes over the median less that floor: the rate once a call has started.
     Where the JSON keeps every round (``stats.data``, seconds) the median has its 95% interval and n
     (``median_ms``, milliseconds) and the ratio its interval from both benchmarks' rounds (``x_dense_shown``). Only
@@ -39,6 +43,7 @@ def bench_table(folder: Path) -> pd.DataFrame:
             rounds = bench["stats"].get("data")
             residence = params.get("residence", "memory")
             info = bench.get("extra_info", {})
+            paired = _paired(info.get("read_pairs"))
             rows.append(
                 {
                     "file": path.name,
@@ -56,14 +61,17 @@ def bench_table(folder: Path) -> pd.DataFrame:
                     "rounds": bench["stats"]["rounds"],
                     "bytes": info.get("bytes", float("nan")),
                     "gb_s": info.get("bytes", float("nan")) / bench["stats"]["median"] / 1e9,
-                    "read_gb_s": info.get("read_gb_s", float("nan")),
+                    "read_gb_s": paired[1] if paired else info.get("read_gb_s", float("nan")),
+                    "paired_of_read": paired[0] if paired else None,
                     "data": rounds,
                 }
             )
     columns = ["file", "cpu", "device", "linear", "weights", "residence", "kernel", "threads", "median_s", "median_ms",
-               "rounds", "bytes", "gb_s", "read_gb_s", "data"]  # fmt: skip
+               "rounds", "bytes", "gb_s", "read_gb_s", "paired_of_read", "data"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
-    table["of_read"] = table.gb_s / table.read_gb_s
+    table["of_read"] = [r.paired_of_read.value if r.paired_of_read else r.gb_s / r.read_gb_s
+                        for _, r in table.iterrows()]  # fmt: skip
+    table["of_read_shown"] = [_of_read_shown(r) for _, r in table.iterrows()]
     floor = table[table.linear == FLOOR].set_index(["file", "weights", "residence"]).median_s
     table["floor_s"] = [floor.get((r.file, r.weights, r.residence), float("nan")) for _, r in table.iterrows()]
     past = table.median_s - table.floor_s
@@ -82,6 +90,26 @@ def bench_table(folder: Path) -> pd.DataFrame:
     ]
     table["bound"] = [_bound(r.cache_gb_s, r.read_gb_s) for _, r in table.iterrows()]
     return table
+
+
+def _paired(pairs: list[dict[str, float]] | None) -> tuple[Interval, float] | None:
+    """A pass's share of the streaming read from rounds of both (median over median, the rounds resampled in pairs)
+    and the reads' median in GB/s; None without rounds."""
+    if not pairs:
+        return None
+    reads = [p["read_gb_s"] for p in pairs]
+    return ratio_interval([p["kernel_gb_s"] for p in pairs], reads, paired=True), float(pd.Series(reads).median())
+
+
+def _of_read_shown(row: pd.Series) -> str:
+    """``of read`` in percent: with its interval and n where the rounds were paired with the read, else the GB/s over
+    the read after the benchmark, ``–`` without both."""
+    share = row.paired_of_read
+    if share:
+        low, high = (None if b is None else 100 * b for b in (share.low, share.high))
+        percent = Interval(100 * share.value, low, high, share.n)
+        return figure(percent, decimals(0), "%")
+    return "–" if pd.isna(row.of_read) else f"{100 * row.of_read:.0f} %"
 
 
 def _bound(cache_gb_s: float, read_gb_s: float) -> str:
