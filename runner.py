@@ -285,15 +285,16 @@ def measure(cfg: DictConfig, record: evidence.Record, path: Path) -> None:
     reads = cpu_kernels.reads(device)  # the project's stream read beside torch's, where its kernels run
     record.hardware = hardware.resolve(run.hardware, device, run.cache_dir, str(run.sweep), reads)
     around = {"before": hardware.read_now(device, reads)} if record.hardware["bandwidth_source"] == "measured" else None
+    between = (lambda: hardware.read_now(device, reads)["value"]) if around and device.peak_resets else None
     contention = Contention(own_processes=engine_cls.local_processes(run.engine) if engine_cls else None)
     try:
         if engine_cls is None:
-            keep(record, experiment.run(Cell(run, device, None, path)))
+            keep(record, experiment.run(Cell(run, device, None, path, read_bandwidth=between)))
         else:
             opened = open_engine(run, device)
             record.model = {**record.model, **opened.checkpoint.provenance}
             try:
-                result = experiment.run(Cell(run, device, opened, path))
+                result = experiment.run(Cell(run, device, opened, path, read_bandwidth=between))
             finally:
                 if opened.engine is not None:
                     record.engine = opened.engine.describe()

@@ -103,6 +103,12 @@ class Device:
         elif self.kind == "tpu":
             torch.tpu.synchronize()
 
+    @property
+    def peak_resets(self) -> bool:
+        """Whether ``reset_peak`` starts a new window for ``peak_memory`` (a JAX accelerator's counts from process
+        start)."""
+        return True
+
     def reset_peak(self) -> None:
         """Starts a new peak window for ``peak_memory``."""
         if self.kind == "cuda":
@@ -153,6 +159,10 @@ class JaxDevice(Device):
 
         jax.effects_barrier()
         jax.device_put(0, self.jax_device).block_until_ready()
+
+    @property
+    def peak_resets(self) -> bool:
+        return self.kind == "cpu"
 
     def reset_peak(self) -> None:
         if self.kind == "cpu":

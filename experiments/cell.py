@@ -67,6 +67,9 @@ class Cell:
     opened: OpenEngine | None
     evidence: Path | None = None  # the file this cell's record goes to
     load_s: float | None = None  # set by the load this cell timed
+    # the machine's streaming read now, GB/s (``hardware.read_now``), where the roofline's bandwidth is measured and a
+    # read's buffer can be kept out of the cell's memory peaks (``Device.peak_resets``); None elsewhere
+    read_bandwidth: Callable[[], float] | None = None
 
     def beside(self, suffix: str) -> tuple[Path, str]:
         """Where a file the cell keeps beside its evidence goes (the evidence file's name, ``.json`` replaced by

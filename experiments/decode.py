@@ -14,6 +14,10 @@ Timer boundaries (each between two ``device.sync()`` calls, wall clock):
   token read to the host as it is made (``read_every=1``), beside the run's own ``read_every``.
 * ``memory_with_cache``: after the first call, when every cache is allocated; ``cache_bytes_from_shape``
   beside ``cache_bytes_measured`` (with cache minus after load, same counter).
+* ``bandwidth_at_pairs_gb_s``: where the roofline's bandwidth is measured (``Cell.read_bandwidth``), the machine's
+  streaming read after each pair, outside its timers, one for each ``decode_tok_s`` sample in its order: a shared
+  host's read moves 2x within minutes, and a rate beside the read of its own moment is a share of what the machine
+  read then (the report's roofline at the pairs). The read's buffer is kept out of the memory peaks.
 
 ``experiment.batch=B`` (B > 1, engines that set ``batches``): B sequences decoded together, each exactly N tokens:
 the run's prompt and B-1 variants of it (`` Once more.`` added once, twice, ...: prompts of their own lengths).
@@ -26,11 +30,11 @@ a sequence; ``decode_tok_s`` = B(N-1)/(T_N - T_1), every sequence's tokens a sec
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from decodebench.config import ExperimentConfig, at_least
-from decodebench.evidence import Record, memory_peaks, samples, scalar
+from decodebench.evidence import MemoryReading, Record, memory_peaks, samples, scalar
 from engines import batchers
 from engines.base import EngineLimit, Generation
 from experiments.cell import Cell, MethodError, timed
@@ -80,12 +84,47 @@ class Pairs:
         """Every pair's (T_N - T_1)/(N-1), seconds a token, in pair order: at or under 0 where it broke the method."""
         return [(tn - t1) / (self.n - 1) for t1, tn in zip(self.warm_1, self.warm_n, strict=True)]
 
+    def of_rated(self, values: list[float]) -> list[float]:
+        """``values``, one a pair, kept for the pairs that gave a rate, in the order of ``rates``."""
+        return [v for v, t1, tn in zip(values, self.warm_1, self.warm_n, strict=True) if tn > t1]
+
     def check(self) -> dict[str, Any]:
         """The rule T_N > T_1 over every pair, with the times of any pair that breaks it."""
         broken = [(t1, tn) for t1, tn in zip(self.warm_1, self.warm_n, strict=True) if tn <= t1]
         detail = "; ".join(f"T_1 = {t1:.6f} s, T_N = {tn:.6f} s" for t1, tn in broken)
         return {"rule": f"T_N > T_1 in every pair (N={self.n})", "holds": not broken,
                 "detail": detail or f"{len(self.warm_1)} pairs"}  # fmt: skip
+
+
+@dataclass
+class PairReads:
+    """Called after each pair: the machine's streaming read then (``Cell.read_bandwidth``, GB/s; nothing where the
+    cell has none), with the memory peak so far kept before it and a new peak window started after it, so the read's
+    buffer never counts in the cell's peaks."""
+
+    cell: Cell
+    gb_s: list[float] = field(default_factory=list)
+    windows: list[dict[str, MemoryReading]] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        if self.cell.read_bandwidth is None:
+            return
+        self.windows.append(self.cell.device.peak_memory())
+        self.gb_s.append(self.cell.read_bandwidth())
+        self.cell.device.reset_peak()
+
+    def peak_memory(self) -> dict[str, MemoryReading]:
+        """Each counter's highest peak over the windows before the reads and the one open now."""
+        now = self.cell.device.peak_memory()
+        return {name: max((w[name] for w in [*self.windows, now]), key=lambda m: m.bytes) for name in now}
+
+    def record(self, pairs: Pairs, result: Result) -> None:
+        """``bandwidth_at_pairs_gb_s``: the reads after the pairs that gave a rate, one for each in its order."""
+        if self.gb_s:
+            reads = pairs.of_rated(self.gb_s)
+            method = "hardware.read_now (best of 3 streaming reads) after each pair giving a rate, outside its timers"
+            result.measurements["bandwidth_at_pairs_gb_s"] = samples(reads, "GB/s", method=method)
+            result.samples["bandwidth_at_pairs_gb_s"] = reads
 
 
 def warm_pairs(
@@ -161,7 +200,7 @@ def run_batch(cell: Cell, result: Result) -> Result:
         raise MethodError(f"in a batch of {batch}, sequences {differ} wrote other tokens than alone (first "
                           f"difference at tokens {at}): a batched rate of other tokens is no rate of this "
                           "way")  # fmt: skip
-    warm_1, warm_n, calls = [], [], []
+    warm_1, warm_n, calls, reads = [], [], [], PairReads(cell)
     for _ in range(cfg.repeats):
         _, t1 = timed(device, lambda: cell.call_batch(prompts, 1))
         gens, tn = timed(device, lambda: cell.call_batch(prompts, n))
@@ -170,7 +209,9 @@ def run_batch(cell: Cell, result: Result) -> Result:
         warm_1.append(t1)
         warm_n.append(tn)
         calls.append(gens[0])
+        reads()
     pairs = Pairs(n, warm_1, warm_n, calls)
+    reads.record(pairs, result)
     rates = [batch * r for r in pairs.rates]
     if rates:
         result.measurements["decode_tok_s"] = samples(rates, "tok/s", formula="B(N-1)/(T_N-T_1)", batch=batch)
@@ -190,7 +231,7 @@ def run_batch(cell: Cell, result: Result) -> Result:
         max_new_tokens=scalar(n, "tok"),
         memory_after_load=after_load,
         memory_with_cache=with_cache,
-        **memory_peaks(device.peak_memory()),
+        **memory_peaks(reads.peak_memory()),
     )
     if cache is not None:
         held = "sum of K/V buffer nbytes: a cache row a sequence, and the one-sequence cache prompts are read into"
@@ -238,7 +279,9 @@ def run(cell: Cell, result: Result | None = None) -> Result:
 
     first, first_s = cell.timed_call(ids, n)
     with_cache = device.memory_now()
-    pairs = warm_pairs(cell, ids, first.tokens)
+    reads = PairReads(cell)
+    pairs = warm_pairs(cell, ids, first.tokens, after=reads)
+    reads.record(pairs, result)
     phase_rates(cell, pairs.calls, result)
     checks = [pairs.check()]
     rated = {"decode_tok_s": (pairs, "(N-1)/(T_N-T_1)")}
@@ -251,7 +294,7 @@ def run(cell: Cell, result: Result | None = None) -> Result:
         if each.rates:  # a pair that broke the method gives no rate; a cell with none has no rate at all
             result.measurements[name] = samples(each.rates, "tok/s", formula=formula)
             result.samples[name] = each.rates
-    peaks = device.peak_memory()
+    peaks = reads.peak_memory()
     weights = engine.weight_bytes()
     if weights is not None:
         result.measurements["weight_bytes_from_shape"] = scalar(

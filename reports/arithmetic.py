@@ -440,7 +440,37 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
                 interval=interval,
             )
         )
+        entries += _roofline_at_pairs(row, read.total, label)
     return entries
+
+
+def _roofline_at_pairs(row: pd.Series, total: int, label: str) -> list[Entry]:
+    """The roofline against the machine's streaming read after each pair (``decode``'s ``bandwidth_at_pairs_gb_s``,
+    one for each rate): each pair's rate over the read of its own moment, the median of those with its interval, where
+    the row's files recorded them (a shared host's read moves 2x within minutes: a rate of one moment over a read of
+    another is a share of neither)."""
+    reads = row.get("bandwidth_at_pairs_values")
+    if not isinstance(reads, list) or not reads or len(reads) != len(row.decode_values):
+        return []
+    per_read = uncertainty.sampled([rate / read for rate, read in zip(row.decode_values, reads, strict=True)])
+    interval = _scaled(per_read, lambda x: 100 * total * x / 1e9)
+    return [
+        Entry(
+            f"roofline-at-pairs/{row.engine}/{label}",
+            f"fraction of the memory-bandwidth roofline {row.engine} achieves, each pair against the read after it",
+            "bytes_per_token * median over pairs of (rate / bandwidth)",
+            [
+                Input("bytes_per_token", total, "B", f"[bytes-per-token/{row.engine}/{label}]"),
+                Input("rate / bandwidth", per_read.value, "tok/GB", ", ".join(row.files),
+                      "pooled median, each pair's rate over the read after it", per_read),  # fmt: skip
+            ],
+            interval.value,
+            "%",
+            [f"the reads after the pairs {min(reads):.4g}-{max(reads):.4g} GB/s, the sweep's {row.bandwidth_gb_s:.4g}"],
+            row=(row.engine, row.key),
+            interval=interval,
+        )
+    ]
 
 
 def matmul_ceiling(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[Entry]:
@@ -496,6 +526,7 @@ def measured(
 DERIVED_COLUMNS = {
     "decode-ratio/": "x_generate",
     "roofline/": "roofline_pct",
+    "roofline-at-pairs/": "roofline_at_pairs_pct",
     "matmul-ceiling/": "matmul_pct",
     "usd-per-mtok/": "usd_per_mtok",
     "jax-vs-fastest-pytorch/": "x_fastest_pytorch",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 import runner
 from decodebench import evidence, hardware
@@ -61,11 +62,30 @@ def test_a_cell_reads_the_bandwidth_before_its_engine_opens_and_after_its_experi
 
     monkeypatch.setattr(hardware, "read_now", read_now)
     monkeypatch.setattr(runner, "open_engine", lambda *a, **k: events.append("open") or opened(*a, **k))
-    record = run_cell(cell_cfg("max_new_tokens=4", "repeats=1"))
+    record = run_cell(cell_cfg("max_new_tokens=4", "repeats=2"))
     assert record["status"] == "ok", record["reason"]
-    assert events == ["read", "open", "read"]
+    assert events == ["read", "open", "read", "read", "read"]  # before, the engine, after each pair, after
     around = record["hardware"]["bandwidth_at_cell"]
-    assert (around["before"]["value"], around["after"]["value"]) == (1.0, 3.0)
+    assert (around["before"]["value"], around["after"]["value"]) == (1.0, 5.0)
+    at_pairs = record["measurements"]["bandwidth_at_pairs_gb_s"]  # one for each rate, in its order
+    assert at_pairs["values"] == [3.0, 4.0] and len(record["measurements"]["decode_tok_s"]["values"]) == 2
+
+
+def test_the_reads_between_pairs_stay_out_of_the_cells_memory_peak(cell_cfg, tiny, monkeypatch):
+    """Each read after a pair holds a buffer of its own (here 1 GB, touched); the cell's peak is the engine's: the
+    peak before each read is kept and a new window starts after it."""
+    held = 1 << 30
+
+    def read_now(device, reads):
+        buffer = torch.ones(held // 4)  # every page touched, as a streaming read's buffer is
+        return {"value": float(buffer.sum() > 0), "unit": "GB/s"}
+
+    monkeypatch.setattr(hardware, "read_now", read_now)
+    record = run_cell(cell_cfg("max_new_tokens=4", "repeats=2"))
+    assert record["status"] == "ok", record["reason"]
+    m = record["measurements"]
+    assert m["bandwidth_at_pairs_gb_s"]["values"] == [1.0, 1.0]
+    assert m["memory_peak_rss"]["value"] < m["memory_with_cache"]["value"] + held / 2
 
 
 def test_context_too_small_names_both_numbers(cell_cfg, tiny):

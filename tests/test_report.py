@@ -526,12 +526,13 @@ def cell_record(
     sweep_read_contention: dict | None = None,
     cpu_kernels: str | None = None,
     product_bytes: dict | None = None,
+    pair_reads: list[float] | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
     (``replica``, ``fingerprint``, ``checks``, ``contention``, ``cpu_kernels``: the digest of the project's CPU
-    kernels' sources, ``product_bytes``: the engine's count of its products' bytes); a parity cell passes with
-    ``verdict``."""
+    kernels' sources, ``product_bytes``: the engine's count of its products' bytes, ``pair_reads``: the machine's read
+    after each pair, ``bandwidth_at_pairs_gb_s``); a parity cell passes with ``verdict``."""
     parity = experiment == "parity"
     experiment_cfg = {"name": experiment, **({"batch": batch} if batch is not None else {})}
     if parity:
@@ -554,6 +555,8 @@ def cell_record(
         measurements = {"decode_tok_s": evidence.samples(list(values), "tok/s", formula="(N-1)/(T_N-T_1)"),
                         "prompt_tokens": evidence.scalar(10, "tok"), "max_new_tokens": evidence.scalar(8, "tok"),
                         "first_call_s": evidence.scalar(2.0, "s"), "load_s": evidence.scalar(1.0, "s")}  # fmt: skip
+        if pair_reads is not None:
+            measurements["bandwidth_at_pairs_gb_s"] = evidence.samples(list(pair_reads), "GB/s")
     if checks is not None and status == "ok":
         outputs["checks"] = checks
     if recall is not None:
@@ -766,6 +769,34 @@ def test_cost_and_roofline_use_the_rows_own_price_and_bandwidth(tmp_path):
     assert entries[("usd-per-mtok", "env-b")].result == pytest.approx(3.0 / (80 * 3600) * 1e6)  # 10.42 USD/Mtok
     assert entries[("roofline", "env-a")].result == pytest.approx(100 * 1620 * 40 / 1e9 / 10.0)
     assert entries[("roofline", "env-b")].result == pytest.approx(100 * 1620 * 80 / 1e9 / 20.0)
+
+
+def test_the_roofline_at_the_pairs_takes_each_rate_over_the_read_after_it(tmp_path):
+    """Each pair's rate over the read after it, the median of those: 2, 2 and 1.1 tokens a GB read give 2 (the
+    median rate over the median read would give 33 / 20, the sweep's read 33 / 10). A row whose file took no reads
+    after its pairs gets none, and the report prints `–` for it."""
+    held = {"linears": 100_000_000, "lm_head": 0}  # what the products read a token: rooflines of tens of percent
+    write(
+        tmp_path,
+        *(cell_record(e, experiment="parity") for e in ("generate", "ring")),
+        cell_record("ring", (20.0, 40.0, 33.0), bandwidth=10.0, pair_reads=[10.0, 20.0, 30.0], product_bytes=held),
+        cell_record("generate", (20.0, 40.0, 33.0), bandwidth=10.0, product_bytes=held),
+    )
+    ev, _, decode = judged(tmp_path)
+    models = {f: r["model"] for f, r in ev.records.items()}
+    entries = {tuple(e.key.split("/")[:2]): e for e in arithmetic.measured(decode, models)}
+    total = entries[("bytes-per-token", "ring")].result
+    at_pairs, roofline = entries[("roofline-at-pairs", "ring")], entries[("roofline", "ring")]
+    assert at_pairs.result == pytest.approx(100 * total * 2.0 / 1e9)  # 2 tokens a GB read: about 20 %
+    assert at_pairs.interval.low <= at_pairs.result <= at_pairs.interval.high
+    assert roofline.result == pytest.approx(100 * total * 33.0 / 1e9 / 10.0)  # the sweep's read: about 33 %
+    assert ("roofline-at-pairs", "generate") not in entries
+    result = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    assert "rate / bandwidth = 2 tok/GB [1.1, 2] n=3 (pooled median, each pair's rate" in result.arithmetic.read_text()
+    lines = result.report.read_text().splitlines()
+    assert any(line.startswith("| ring |") and f"| {roofline.shown()} | {at_pairs.shown()} |" in line for line in lines)
+    generate = entries[("roofline", "generate")].shown()
+    assert any(line.startswith("| generate |") and f"| {generate} | – |" in line for line in lines)
 
 
 def test_files_of_one_row_that_disagree_on_price_get_no_cost_and_say_so(tmp_path):

@@ -23,13 +23,13 @@ from reports.tables.cells import GROUP
 from reports.uncertainty import sampled
 from reports.verdicts import INVALID, VALID, Verdict
 
-DECODE_COLUMNS = ["decode", "decode_values", "decode_median", "decode_low", "decode_high", "decode_min", "decode_max",
-                  "n", "phase", "phase_median", "first_call", "first_call_s", "load", "load_s", "files", "sweeps",
-                  "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes", "memory_after_load", "memory_peak",
-                  "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour", "price_note", "bandwidth_gb_s",
-                  "bandwidth_note", "bandwidth_source", "peak_tflops", "peak_source", "hardware", "tables", "weights",
-                  "product_bytes", "streamed", "streamed_values", "warm_1", "warm_n", "n_over_warm_n",
-                  "memory_with_cache", "method"]  # fmt: skip
+DECODE_COLUMNS = ["decode", "decode_values", "bandwidth_at_pairs_values", "decode_median", "decode_low", "decode_high",
+                  "decode_min", "decode_max", "n", "phase", "phase_median", "first_call", "first_call_s", "load",
+                  "load_s", "files", "sweeps", "by_sweep", "verdict", "left_out", "weight_bytes", "cache_bytes",
+                  "memory_after_load", "memory_peak", "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour",
+                  "price_note", "bandwidth_gb_s", "bandwidth_note", "bandwidth_source", "peak_tflops", "peak_source",
+                  "hardware", "tables", "weights", "product_bytes", "streamed", "streamed_values", "warm_1", "warm_n",
+                  "n_over_warm_n", "memory_with_cache", "method"]  # fmt: skip
 
 
 def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
@@ -54,6 +54,7 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
                 **dict(zip(GROUP, key, strict=True)),
                 "decode": decode,
                 "decode_values": values,
+                "bandwidth_at_pairs_values": _reads_at_pairs(used),
                 "decode_median": None if decode is None else decode.value,
                 "decode_low": None if decode is None else decode.low,
                 "decode_high": None if decode is None else decode.high,
@@ -115,6 +116,14 @@ def _n_of(cells: pd.DataFrame) -> float | None:
 
 def _pooled(lists: pd.Series) -> list[float]:
     return [v for vs in lists for v in vs]
+
+
+def _reads_at_pairs(cells: pd.DataFrame) -> list[float]:
+    """The streaming reads after the pairs of a row's files, pooled in the order of its decode samples, one for each;
+    none unless every file recorded one for each of its samples."""
+    aligned = all(len(reads) == len(rates) for reads, rates in zip(cells.bandwidth_at_pairs_values,
+                                                                   cells.decode_values, strict=True))  # fmt: skip
+    return _pooled(cells.bandwidth_at_pairs_values) if aligned else []
 
 
 def _run(cells: pd.DataFrame) -> dict[str, Any]:
