@@ -7,6 +7,7 @@ import math
 import shutil
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -441,6 +442,24 @@ def test_bench_table_takes_the_share_of_the_read_from_paired_rounds(tmp_path):
     assert table.of_read["dense"] == pytest.approx(0.25) and table.of_read_shown["dense"] == "25 %"
     text = render.environment().get_template("bench.md.j2").render(bench=bench_table(tmp_path))
     assert "| 50 % [50, 50] n=5 |" in text and "| 25 % |" in text
+
+
+def test_bench_pairs_each_pass_with_a_read_taking_turns_first(monkeypatch):
+    """``make bench-int4``'s memory rows: a pass and a read each round, which goes first alternating, each GB/s kept
+    under its own name whichever went first."""
+    import tests.bench_int4 as bench
+
+    order, reads = [], iter([1.0, 2.0, 3.0, 4.0])
+    times = iter([0.0, 1.0, 10.0, 12.0, 20.0, 24.0, 30.0, 38.0])  # the passes take 1, 2, 4 and 8 s
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(times))
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda *a, **k: order.append("read") or {"value": next(reads)})
+    monkeypatch.setattr(bench, "PAIRED_ROUNDS", 4)
+    monkeypatch.setattr(bench.cpu_kernels, "reads", lambda device: {})
+    device = SimpleNamespace(sync=lambda: None)
+    rounds = bench.read_pairs(lambda: order.append("pass"), 10**9, device)  # 1 GB a pass
+    assert order == ["pass", "read", "read", "pass", "pass", "read", "read", "pass"]
+    assert [r["kernel_gb_s"] for r in rounds] == [1.0, 0.5, 0.25, 0.125]
+    assert [r["read_gb_s"] for r in rounds] == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_bench_cache_rows_fit_the_cores_l2():
