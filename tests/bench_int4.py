@@ -27,7 +27,6 @@ see.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
@@ -40,6 +39,7 @@ from decodebench import hardware
 from decodebench.device import Device, cache_bytes, measure_bandwidth, resolve_device
 from engines import cpu_kernels, int4, int4_cpu, one_row
 from engines.joined import JOINED
+from experiments.cell import timed
 from tests.conftest import e2b_text_config
 from tests.test_int4 import packed_weight
 
@@ -98,26 +98,23 @@ def cached_outputs(shape: tuple[int, int], weights: str) -> int:
 
 
 def read_pairs(one_pass: Callable[[], None], nbytes: int, device: Device) -> list[dict[str, float]]:
-    """``PAIRED_ROUNDS`` rounds, each the GB/s of ``one_pass`` (which reads ``nbytes``, 1e9 bytes a GB; timer from
+    """``PAIRED_ROUNDS`` rounds, each the GB/s of ``one_pass`` (which reads ``nbytes``, 1e9 bytes a GB; ``timed``: from
     before its first call to after its last, ``device.sync()`` at both ends) and of the machine's streaming read at that
     moment (``measure_bandwidth``'s read, the best of torch's reductions and the project's stream read over
     ``read_bytes``, one repeat: the figure a cell's roofline divides by), the pass first in even rounds, the read first
     in odd ones."""
     def passed() -> float:
-        device.sync()
-        start = time.perf_counter()
-        one_pass()
-        device.sync()
-        return nbytes / (time.perf_counter() - start) / 1e9
+        return nbytes / timed(device, one_pass)[1] / 1e9
 
     def read() -> float:
         return measure_bandwidth(device, repeats=1, copy=False, reads=cpu_kernels.reads(device))["value"]
 
     rounds = []
     for turn in range(PAIRED_ROUNDS):
-        first, second = (passed, read) if turn % 2 == 0 else (read, passed)
-        a, b = first(), second()
-        kernel_gb_s, read_gb_s = (a, b) if turn % 2 == 0 else (b, a)
+        if turn % 2:
+            read_gb_s, kernel_gb_s = read(), passed()
+        else:
+            kernel_gb_s, read_gb_s = passed(), read()
         rounds.append({"kernel_gb_s": kernel_gb_s, "read_gb_s": read_gb_s})
     return rounds
 

@@ -447,11 +447,12 @@ def test_bench_table_takes_the_share_of_the_read_from_paired_rounds(tmp_path):
 def test_bench_pairs_each_pass_with_a_read_taking_turns_first(monkeypatch):
     """``make bench-int4``'s memory rows: a pass and a read each round, which goes first alternating, each GB/s kept
     under its own name whichever went first."""
+    import experiments.cell as cell
     import tests.bench_int4 as bench
 
     order, reads = [], iter([1.0, 2.0, 3.0, 4.0])
     times = iter([0.0, 1.0, 10.0, 12.0, 20.0, 24.0, 30.0, 38.0])  # the passes take 1, 2, 4 and 8 s
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(times))
+    monkeypatch.setattr(cell.time, "perf_counter", lambda: next(times))
     monkeypatch.setattr(bench, "measure_bandwidth", lambda *a, **k: order.append("read") or {"value": next(reads)})
     monkeypatch.setattr(bench, "PAIRED_ROUNDS", 4)
     monkeypatch.setattr(bench.cpu_kernels, "reads", lambda device: {})
