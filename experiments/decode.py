@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from decodebench import hardware
 from decodebench.config import ExperimentConfig, at_least
 from decodebench.evidence import MemoryReading, Record, memory_peaks, samples, scalar
 from engines import batchers
@@ -122,7 +123,8 @@ class PairReads:
         """``bandwidth_at_pairs_gb_s``: the reads after the pairs that gave a rate, one for each in its order."""
         if self.gb_s:
             reads = pairs.of_rated(self.gb_s)
-            method = "hardware.read_now (best of 3 streaming reads) after each pair giving a rate, outside its timers"
+            method = (f"hardware.read_now (best of {hardware.CELL_READS} streaming reads) after each pair giving a "
+                      "rate, outside its timers")
             result.measurements["bandwidth_at_pairs_gb_s"] = samples(reads, "GB/s", method=method)
             result.samples["bandwidth_at_pairs_gb_s"] = reads
 

@@ -212,15 +212,6 @@ def jax_gap(decode: pd.DataFrame, floors: dict[str, float] | None = None) -> lis
     return entries
 
 
-def _scaled(interval: Interval, f: Any) -> Interval:
-    """``interval`` through a monotone ``f`` (bounds swapped when ``f`` decreases): a figure proportional
-    or inversely proportional to a median has its interval at the median's bounds."""
-    if not interval.known:
-        return Interval(f(interval.value), None, None, interval.n)
-    low, high = sorted((f(interval.low), f(interval.high)))
-    return Interval(f(interval.value), low, high, interval.n)
-
-
 def _at_batch(row: pd.Series) -> str:
     batch = int(row.get("batch", 1) or 1)
     return "one request at a time" if batch == 1 else f"{batch} sequences a step (aggregate rate)"
@@ -239,7 +230,7 @@ def costs(decode: pd.DataFrame) -> list[Entry]:
             what = f"USD per million output tokens, {row.engine}"
             entries.append(Entry(key, what, "price / (rate * 3600) * 1e6", [rate], None, "USD/Mtok", [why], row=cell))
             continue
-        interval = _scaled(row.decode, lambda r, price=price: price / (r * 3600) * 1e6)
+        interval = uncertainty.scaled(row.decode, lambda r, price=price: price / (r * 3600) * 1e6)
         entries.append(
             Entry(
                 key,
@@ -416,7 +407,7 @@ def roofline(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> list[En
                 ["norms (under 1 MB) are left out; engines that attend over every slot read more KV than this"],
             )
         )
-        interval = _scaled(row.decode, lambda r, b=read.total, bw=row.bandwidth_gb_s: 100 * b * r / 1e9 / bw)
+        interval = uncertainty.scaled(row.decode, lambda r, b=read.total, bw=row.bandwidth_gb_s: 100 * b * r / 1e9 / bw)
         notes = [f"achieved {read.total * row.decode_median / 1e9:.4g} GB/s"]
         entries.append(
             Entry(
@@ -449,11 +440,11 @@ def _roofline_at_pairs(row: pd.Series, total: int, label: str) -> list[Entry]:
     one for each rate): each pair's rate over the read of its own moment, the median of those with its interval, where
     the row's files recorded them (a shared host's read moves 2x within minutes: a rate of one moment over a read of
     another is a share of neither)."""
-    reads = row.get("bandwidth_at_pairs_values")
-    if not isinstance(reads, list) or not reads or len(reads) != len(row.decode_values):
+    reads = row.get("bandwidth_at_pairs_values")  # one for each rate, or none (``decode_table``)
+    if not isinstance(reads, list) or not reads:
         return []
     per_read = uncertainty.sampled([rate / read for rate, read in zip(row.decode_values, reads, strict=True)])
-    interval = _scaled(per_read, lambda x: 100 * total * x / 1e9)
+    interval = uncertainty.scaled(per_read, lambda x: 100 * total * x / 1e9)
     return [
         Entry(
             f"roofline-at-pairs/{row.engine}/{label}",
@@ -486,7 +477,7 @@ def matmul_ceiling(decode: pd.DataFrame, models: dict[str, dict[str, Any]]) -> l
             continue
         step = weights_per_step(model["shape"], model["layers"])
         flop = 2 * (step["linears"] + step["lm_head"])
-        interval = _scaled(row.decode, lambda r, f=flop, peak=row.peak_tflops: 100 * f * r / 1e12 / peak)
+        interval = uncertainty.scaled(row.decode, lambda r, f=flop, peak=row.peak_tflops: 100 * f * r / 1e12 / peak)
         entries.append(
             Entry(
                 f"matmul-ceiling/{row.engine}/{row.key}",

@@ -41,6 +41,15 @@ def shown(interval: Interval | None, digits: int = 2) -> str:
     return figure(interval, decimals(digits)) if isinstance(interval, Interval) else "–"
 
 
+def scaled(interval: Interval, f: Callable[[float], float]) -> Interval:
+    """``interval`` through a monotone ``f`` (bounds swapped when ``f`` decreases): a figure proportional
+    or inversely proportional to a median has its interval at the median's bounds."""
+    if not interval.known:
+        return Interval(f(interval.value), None, None, interval.n)
+    low, high = sorted((f(interval.low), f(interval.high)))
+    return Interval(f(interval.value), low, high, interval.n)
+
+
 def sampled(values: Sequence[float] | None) -> Interval | None:
     """The median of ``values`` with its 95% interval; None when there are none."""
     return median_interval(values) if values else None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pandas as pd
 
 from decodebench.stats import Interval, ratio_interval
-from reports.uncertainty import decimals, figure, ratio, sampled, shown
+from reports.uncertainty import decimals, figure, ratio, sampled, scaled, shown
 
 FLOOR = "16x64"  # tests/bench_int4.py's FLOOR: one tile of outputs, what a call costs before it reads anything
 NO_ROUNDS = "no interval: the JSON keeps no rounds; pytest-benchmark keeps them with --benchmark-save-data"
@@ -98,17 +99,14 @@ def _paired(pairs: list[dict[str, float]] | None) -> tuple[Interval, float] | No
     if not pairs:
         return None
     reads = [p["read_gb_s"] for p in pairs]
-    return ratio_interval([p["kernel_gb_s"] for p in pairs], reads, paired=True), float(pd.Series(reads).median())
+    return ratio_interval([p["kernel_gb_s"] for p in pairs], reads, paired=True), statistics.median(reads)
 
 
 def _of_read_shown(row: pd.Series) -> str:
     """``of read`` in percent: with its interval and n where the rounds were paired with the read, else the GB/s over
     the read after the benchmark, ``–`` without both."""
-    share = row.paired_of_read
-    if share:
-        low, high = (None if b is None else 100 * b for b in (share.low, share.high))
-        percent = Interval(100 * share.value, low, high, share.n)
-        return figure(percent, decimals(0), "%")
+    if row.paired_of_read:
+        return figure(scaled(row.paired_of_read, lambda share: 100 * share), decimals(0), "%")
     return "–" if pd.isna(row.of_read) else f"{100 * row.of_read:.0f} %"
 
 
