@@ -120,9 +120,10 @@ class PairReads:
         return {name: max((w[name] for w in [*self.windows, now]), key=lambda m: m.bytes) for name in now}
 
     def record(self, pairs: Pairs, result: Result) -> None:
-        """``bandwidth_at_pairs_gb_s``: the reads after the pairs that gave a rate, one for each in its order."""
-        if self.gb_s:
-            reads = pairs.of_rated(self.gb_s)
+        """``bandwidth_at_pairs_gb_s``: the reads after the pairs that gave a rate, one for each in its order; none
+        where no pair gave one (as ``decode_tok_s``)."""
+        reads = pairs.of_rated(self.gb_s) if self.gb_s else []
+        if reads:
             method = (f"hardware.read_now (best of {hardware.CELL_READS} streaming reads) after each pair giving a "
                       "rate, outside its timers")
             result.measurements["bandwidth_at_pairs_gb_s"] = samples(reads, "GB/s", method=method)

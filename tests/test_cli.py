@@ -20,6 +20,7 @@ import runner
 from decodebench import evidence, hardware
 from engines import cpu_kernels
 from engines.generate import GenerateEngine
+from experiments.cell import Cell
 from runner import run_cell
 from tests.conftest import REPO
 
@@ -86,6 +87,29 @@ def test_the_reads_between_pairs_stay_out_of_the_cells_memory_peak(cell_cfg, tin
     m = record["measurements"]
     assert m["bandwidth_at_pairs_gb_s"]["values"] == [1.0, 1.0]
     assert m["memory_peak_rss"]["value"] < m["memory_with_cache"]["value"] + held / 2
+
+
+@pytest.mark.parametrize("broken", [{0}, {0, 1}])
+def test_a_pair_that_breaks_the_method_takes_its_read_out_with_its_rate(cell_cfg, tiny, monkeypatch, broken):
+    """The read after a pair that gave no rate (T_N not above T_1) is dropped with it: the reads stay one for each
+    rate, and a cell where every pair broke has neither (and still writes its evidence)."""
+    reads, original, calls = iter(range(1, 100)), Cell.timed_pair, []
+
+    def inverted(self, ids, n=None):
+        t1, gen, tn = original(self, ids, n)
+        calls.append(1)
+        return (tn + 1.0, gen, tn) if len(calls) - 1 in broken else (t1, gen, tn)
+
+    monkeypatch.setattr(hardware, "read_now", lambda device, reads_: {"value": float(next(reads)), "unit": "GB/s"})
+    monkeypatch.setattr(Cell, "timed_pair", inverted)
+    record = run_cell(cell_cfg("max_new_tokens=4", "repeats=2"))
+    assert record["status"] == "ok", record["reason"]
+    m = record["measurements"]
+    if broken == {0, 1}:
+        assert "decode_tok_s" not in m and "bandwidth_at_pairs_gb_s" not in m
+    else:  # reads: 1 before the cell, 2 after the broken pair, 3 after the kept one (unless noise broke it too)
+        rates = m.get("decode_tok_s", {"values": []})["values"]
+        assert len(rates) <= 1 and m.get("bandwidth_at_pairs_gb_s", {"values": []})["values"] == [3.0] * len(rates)
 
 
 def test_context_too_small_names_both_numbers(cell_cfg, tiny):
