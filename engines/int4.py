@@ -105,6 +105,14 @@ def limbs_refused(limbs: int, weights: Weights) -> str | None:
     return None
 
 
+def settings_without_effect(weights: Weights) -> tuple[str, ...]:
+    """The engine settings that take no effect with these weights, for the evidence (``describe``): each is refused
+    there other than at its default, so its value says nothing of the way. ``int4_limbs`` sets how ``int4_rows``
+    holds x (no linear is 4-bit with dense weights); ``one_row`` picks the kernel of a dense linear (none is dense
+    with int4 ones)."""
+    return ("one_row",) if weights == Weights.int4 else ("int4_limbs",)
+
+
 def limbs_unsupported(limbs: int, device_kind: str, dtype: torch.dtype) -> str | None:
     """Why ``engine.int4_limbs`` other than the default would take no effect on this device (the cell is skipped),
     or None: only ``int4_rows`` holds x in limbs."""

@@ -236,6 +236,7 @@ class RustEngine(Engine):
                      "joined_linears": self.joined_linears,
                      "held_together_bytes": self.held_together_bytes, "product_bytes": product_bytes(self.model),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
+                     "settings_without_effect": list(int4.settings_without_effect(self.ctx.engine_cfg.weights)),
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:
             described.update(int4.described(self.model, self.int4_linears))

@@ -281,6 +281,7 @@ class SteppingEngine(SteppedEngine):
             **cpu_kernels.facts(self.model),
             "greedy": self.greedy_kernel,
             "read_every": self.ctx.read_every,
+            "settings_without_effect": list(int4.settings_without_effect(self.ctx.engine_cfg.weights)),
             **weights,
             **graph_counts(),
         }

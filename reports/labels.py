@@ -3,10 +3,12 @@
 A way's short label is its engine followed by the values of only those settings that vary among that engine's rows
 (``engine_config`` pairs, then ``read_every``, the article way a cell names, the A/A replica, the batch: ``B=4``),
 joined by ``·``: two ring rows that differ only in ``weights`` read ``ring·dense`` and ``ring·int4``, an engine
-measured one way only reads its bare name. A value that says nothing alone (``true``, ``none``, a number) keeps
-its key (``compile=true``); a setting a row's evidence does not record (written before the setting existed) reads
-``key=–``. Model, device, context and N are columns of the tables beside the label, never part of
-it; environment and code are footnotes (``footnotes``).
+measured one way only reads its bare name. A setting the engine recorded as without effect in a row
+(``settings_without_effect``: ``int4_limbs`` with dense weights) is left out of that row's label and counts for no
+row's difference: ``ring·dense`` beside ``ring·int4_limbs=2·int4``. A value that says nothing alone (``true``,
+``none``, a number) keeps its key (``compile=true``); a setting a row's evidence does not record (written before the
+setting existed) reads ``key=–``. Model, device, context and N are columns of the tables beside the label, never part
+of it; environment and code are footnotes (``footnotes``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ LEGEND_COLUMNS = ["way", "engine", "settings", "read_every", "article_way", "rep
 MARKS = "¹²³⁴⁵⁶⁷⁸⁹"  # footnote marks of a table's environments, in order; then [10], [11], ...
 
 
+def _without_effect(row: pd.Series) -> set[str]:
+    """The settings the row's engine recorded as without effect (none in evidence written before it recorded them)."""
+    return set(str(getattr(row, "settings_without_effect", None) or "").split())
+
+
 def _fields(row: pd.Series) -> dict[str, str]:
-    """Everything that names a way apart from its engine, as printable ``key -> value``."""
-    fields = dict(pair.split("=", 1) for pair in (row.engine_config or "").split() if "=" in pair)
+    """Everything that names a way apart from its engine, as printable ``key -> value``; not the settings its
+    engine recorded as without effect."""
+    pairs = (pair.split("=", 1) for pair in (row.engine_config or "").split() if "=" in pair)
+    fields = {key: value for key, value in pairs if key not in _without_effect(row)}
     fields["read_every"] = str(row.read_every or 0)
     fields["way"] = row.way if isinstance(row.way, str) else ""
     fields["replica"] = str(int(row.replica or 0))
@@ -47,13 +56,15 @@ def short_labels(table: pd.DataFrame) -> pd.Series:
     """Each row's short label (see the module docstring); ``table`` needs ``engine``, ``engine_config``,
     ``read_every``, ``way`` and ``replica``. Computed over the whole table, so one way has one label everywhere."""
     fields = {i: _fields(row) for i, row in table.iterrows()}
+    without_effect = {i: _without_effect(row) for i, row in table.iterrows()}
     labels = {}
     for _, group in table.groupby("engine", sort=False):
         named = sorted({k for i in group.index for k in fields[i]} - set(LAST))
         keys = [*named, *LAST]
-        varying = [k for k in keys if len({fields[i].get(k, "") for i in group.index}) > 1]
+        varying = [k for k in keys
+                   if len({fields[i].get(k, "") for i in group.index if k not in without_effect[i]}) > 1]  # fmt: skip
         for i in group.index:
-            parts = [_part(k, fields[i].get(k, "")) for k in varying]
+            parts = [_part(k, fields[i].get(k, "")) for k in varying if k not in without_effect[i]]
             labels[i] = SEPARATOR.join([table.at[i, "engine"], *parts])
     return pd.Series(labels, index=table.index, dtype=object)
 

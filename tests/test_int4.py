@@ -248,6 +248,7 @@ def test_two_limbs_take_effect_and_keep_the_reference_tokens(cache_dir, cell_cfg
             engine = handle.load()
             assert {m.limbs for m in engine.model.modules() if isinstance(m, int4.Int4Linear)} == {limbs}
             assert engine.describe()["int4_exactness"] == f"{limbs} limbs: {int4_cpu.LIMBS[limbs]}"
+            assert engine.describe()["settings_without_effect"] == ["one_row"]  # no linear is dense
             logits[limbs] = engine.generate([2, 40, 41, 42, 43, 44, 45, 46], 4, return_logits=True).logits
         finally:
             handle.close()

@@ -133,6 +133,7 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
     mv, linear, auto = (records[s]["engine"] for s in ("mv", "linear", "auto"))
     assert mv["one_row"] == "mv" and linear["one_row"] == "linear" and linear["one_row_linears"] == 0
     assert auto["one_row"] == auto["one_row_choice"]["one_row"] and auto["one_row_choice"]["how"] != "set"
+    assert all(e["settings_without_effect"] == ["int4_limbs"] for e in (mv, linear, auto))  # no linear is 4-bit
     # tiny: 6 layers of q, k, v, o, gate, up, down, per-layer gate and projection, less k, v on the KV-shared
     # layers; the per-layer model projection and lm_head. The ring joins q, k, v (one linear for three) on the layers
     # that hold their own K/V and gate, up (one for two) on every layer (engines/joined.py)

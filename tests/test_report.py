@@ -547,12 +547,14 @@ def cell_record(
     cpu_kernels: str | None = None,
     product_bytes: dict | None = None,
     pair_reads: list[float] | None = None,
+    without_effect: list[str] | None = None,
 ) -> dict:
     """One cell's evidence as the runner writes it (``decodebench.evidence.Record``), validated against
     ``evidence/schema.json``. ``None`` leaves a field out, as evidence written before it existed does
     (``replica``, ``fingerprint``, ``checks``, ``contention``, ``cpu_kernels``: the digest of the project's CPU
     kernels' sources, ``product_bytes``: the engine's count of its products' bytes, ``pair_reads``: the machine's read
-    after each pair, ``bandwidth_at_pairs_gb_s``); a parity cell passes with ``verdict``."""
+    after each pair, ``bandwidth_at_pairs_gb_s``; ``without_effect``: the settings the engine says took no effect);
+    a parity cell passes with ``verdict``."""
     parity = experiment == "parity"
     experiment_cfg = {"name": experiment, **({"batch": batch} if batch is not None else {})}
     if parity:
@@ -604,7 +606,8 @@ def cell_record(
         if parity
         else {"decode_tok_s": "(N-1) / (warm_n_s - warm_1_s), per repeat pair"},
         engine={**({} if cpu_kernels is None else {"cpu_kernel_source": cpu_kernels}),
-                **({} if product_bytes is None else {"product_bytes": product_bytes})},
+                **({} if product_bytes is None else {"product_bytes": product_bytes}),
+                **({} if without_effect is None else {"settings_without_effect": without_effect})},
     ).to_json()
     evidence.validate(record)
     return record

@@ -29,10 +29,14 @@ def _build(folder: Path):
 def test_short_labels_name_only_the_settings_that_differ_and_the_legend_maps_them_back():
     table = pd.DataFrame(
         [
-            {"engine": "ring", "engine_config": "attend=cache weights=dense", "read_every": 0, "way": None,
-             "replica": 0},
-            {"engine": "ring", "engine_config": "attend=cache weights=int4", "read_every": 0, "way": None,
-             "replica": 0},
+            {"engine": "ring", "engine_config": "attend=cache int4_limbs=3 one_row=mv weights=dense", "read_every": 0,
+             "way": None, "replica": 0, "settings_without_effect": "int4_limbs"},
+            {"engine": "ring", "engine_config": "attend=cache int4_limbs=3 one_row=auto weights=int4", "read_every": 0,
+             "way": None, "replica": 0, "settings_without_effect": "one_row"},
+            {"engine": "ring", "engine_config": "attend=cache int4_limbs=2 one_row=auto weights=int4", "read_every": 0,
+             "way": None, "replica": 0, "settings_without_effect": "one_row"},
+            {"engine": "ring", "engine_config": "attend=cache int4_limbs=3 one_row=linear weights=dense",
+             "read_every": 0, "way": None, "replica": 0, "settings_without_effect": "int4_limbs"},
             {"engine": "compiled", "engine_config": "fullgraph=True one_row=mv", "read_every": 0, "way": None,
              "replica": 0},
             {"engine": "compiled", "engine_config": "fullgraph=False one_row=mv", "read_every": 0, "way": None,
@@ -45,8 +49,10 @@ def test_short_labels_name_only_the_settings_that_differ_and_the_legend_maps_the
     )  # fmt: skip
     table["way_label"] = labels.short_labels(table)
     assert list(table.way_label) == [
-        "ring·dense",
-        "ring·int4",
+        "ring·mv·dense",  # int4_limbs takes no effect with dense weights (its engine says so): not in the label
+        "ring·int4_limbs=3·int4",  # nor one_row with int4 ones
+        "ring·int4_limbs=2·int4",
+        "ring·linear·dense",
         "compiled·fullgraph=True·A/A0",  # a value that does not name itself keeps its key
         "compiled·fullgraph=False·A/A1",
         "generate",  # one way of its engine: the bare name
@@ -54,8 +60,25 @@ def test_short_labels_name_only_the_settings_that_differ_and_the_legend_maps_the
         "rust·int4_limbs=2",
     ]
     legend = labels.legend(table).set_index("way")
-    assert legend.loc["ring·int4", "settings"] == "attend=cache weights=int4"
+    assert legend.loc["ring·mv·dense", "settings"] == "attend=cache int4_limbs=3 one_row=mv weights=dense"
     assert legend.loc["generate", "article_way"] == "nb04/generate"
+
+
+def test_the_decode_table_leaves_a_setting_without_effect_out_of_its_rows_label(tmp_path):
+    """The engine's ``settings_without_effect`` reach the report's labels: the dense ring's ``int4_limbs`` (at its
+    default, refused otherwise) does not name it; evidence that does not record them keeps every setting."""
+    dense, four = {"weights": "dense", "int4_limbs": 3}, {"weights": "int4", "int4_limbs": 3}
+    two = {"weights": "int4", "int4_limbs": 2}
+    records = [cell_record("ring", experiment=experiment, settings=settings, without_effect=without)
+               for experiment in ("parity", "decode")
+               for settings, without in ((dense, ["int4_limbs"]), (four, ["one_row"]), (two, ["one_row"]))]  # fmt: skip
+    write(tmp_path, *records)
+    report = _build(tmp_path).report.read_text()
+    assert all(f"| {label} |" in report for label in ("ring·dense", "ring·int4_limbs=2·int4", "ring·int4_limbs=3·int4"))
+    write(tmp_path / "older", *[cell_record("ring", experiment=e, settings=s) for e in ("parity", "decode")
+                                for s in (dense, two)])  # fmt: skip
+    older = _build(tmp_path / "older").report.read_text()
+    assert "| ring·int4_limbs=3·dense |" in older and "| ring·int4_limbs=2·int4 |" in older
 
 
 def test_footnotes_mark_environments_only_where_they_differ():

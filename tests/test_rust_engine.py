@@ -248,6 +248,8 @@ def test_joined_products_give_the_rust_model_the_bits_of_its_products_apart(cach
             engine = handle.load()
             described = engine.describe()
             assert described["joined_linears"] == (joined_in(engine.model) if join else 0)
+            # int4: no linear is dense; dense: none is 4-bit
+            assert described["settings_without_effect"] == ["one_row" if weights == "int4" else "int4_limbs"]
             counted[join] = described["product_bytes"]
             logits[join] = engine.generate(PROMPT, 6, return_logits=True).logits
         finally:
@@ -269,6 +271,7 @@ def test_int4_rust_writes_the_reference_tokens_with_every_linear_4bit(cell_cfg, 
     skeleton = Gemma4ForCausalLM(open_checkpoint(tiny.emb4).config)
     assert engine["int4_kernel"] == ROWS and engine["weights"] == "int4"
     assert engine["int4_exactness"] == f"{limbs} limbs: {int4_cpu.LIMBS[limbs]}"
+    assert engine["settings_without_effect"] == ["one_row"]
     kernels = not norm_cpu.unsupported("cpu", torch.bfloat16)
     assert (engine["norm"], engine["rope"]) == ((norm_cpu.OP, norm_cpu.ROPE) if kernels else (norm_cpu.EAGER,) * 2)
     assert engine["int4_linears"] == sum(isinstance(m, nn.Linear) for m in skeleton.modules())

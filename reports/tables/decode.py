@@ -29,7 +29,7 @@ DECODE_COLUMNS = ["decode", "decode_values", "bandwidth_at_pairs_values", "decod
                   "memory_after_load", "memory_peak", "memory_counter", "graphs", "graph_breaks", "price_usd_per_hour",
                   "price_note", "bandwidth_gb_s", "bandwidth_note", "bandwidth_source", "peak_tflops", "peak_source",
                   "hardware", "tables", "weights", "product_bytes", "streamed", "streamed_values", "warm_1", "warm_n",
-                  "n_over_warm_n", "memory_with_cache", "method"]  # fmt: skip
+                  "n_over_warm_n", "memory_with_cache", "method", "settings_without_effect"]  # fmt: skip
 
 
 def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFrame:
@@ -97,6 +97,7 @@ def decode_table(cells: pd.DataFrame, verdicts: dict[str, Verdict]) -> pd.DataFr
                 "n_over_warm_n": sampled([n / t for t in warm_n]) if n else None,
                 "memory_with_cache": last.memory_with_cache,
                 "method": last.method,
+                "settings_without_effect": last.settings_without_effect,
             }
         )
     if not rows:  # no decode cell: the columns still exist, so templates can filter the empty table
