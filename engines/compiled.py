@@ -113,7 +113,7 @@ class CompiledEngineConfig(SteppingEngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.remove_wrappers and self.one_row in (OneRow.mv, OneRow.rows):
+        if not self.remove_wrappers and self.one_row != OneRow.auto:
             raise ConfigError(
                 f"engine.one_row={self.one_row} has no effect with engine.remove_wrappers=false: that is the article's "
                 "Transformers path, whose linears are kept as compressed-tensors wraps them; leave engine.one_row=auto"
@@ -124,6 +124,10 @@ class CompiledEngineConfig(SteppingEngineConfig):
                 f"every weight to the run's dtype: it cannot keep weights 4-bit (engine={self.name}, "
                 f"engine.weights={self.weights}); use engine=compiled engine.weights=dense"
             )
+
+    def settings_without_effect(self) -> tuple[str, ...]:
+        """With the wrappers on, ``one_row`` too: no linear is swapped for a one-row kernel."""
+        return (*super().settings_without_effect(), *(() if self.remove_wrappers else ("one_row",)))
 
 
 class CompiledEngine(SteppingEngine):

@@ -37,6 +37,7 @@ from torch import nn
 from decodebench.checkpoint import PackedTable
 from engines import int4_cpu
 from engines.base import EngineLimit
+from engines.one_row import OneRow
 
 
 class Weights(StrEnum):
@@ -94,6 +95,14 @@ def unsupported(device_kind: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+def one_row_refused(choice: OneRow, weights: Weights) -> str | None:
+    """Why ``engine.one_row`` cannot be set so (a ``ConfigError``), or None: it picks the kernel of a dense linear on
+    one row, so with int4 weights, where none is dense, only its default (``auto``) is taken."""
+    if choice != OneRow.auto and weights == Weights.int4:
+        return f"engine.one_row={choice} has no effect with engine.weights=int4: every linear is held 4-bit, none dense"
+    return None
+
+
 def limbs_refused(limbs: int, weights: Weights) -> str | None:
     """Why ``engine.int4_limbs`` cannot be set so (a ``ConfigError``), or None: a count ``int4_rows`` takes, and other
     than the default only where linears are held 4-bit (it sets how that kernel holds x; dense linears have none)."""
@@ -107,9 +116,9 @@ def limbs_refused(limbs: int, weights: Weights) -> str | None:
 
 def settings_without_effect(weights: Weights) -> tuple[str, ...]:
     """The engine settings that take no effect with these weights, for the evidence (``describe``): each is refused
-    there other than at its default, so its value says nothing of the way. ``int4_limbs`` sets how ``int4_rows``
-    holds x (no linear is 4-bit with dense weights); ``one_row`` picks the kernel of a dense linear (none is dense
-    with int4 ones)."""
+    there other than at its default (``limbs_refused``, ``one_row_refused``), so its value says nothing of the way.
+    ``int4_limbs`` sets how ``int4_rows`` holds x (no linear is 4-bit with dense weights); ``one_row`` picks the
+    kernel of a dense linear (none is dense with int4 ones)."""
     return ("one_row",) if weights == Weights.int4 else ("int4_limbs",)
 
 

@@ -57,11 +57,14 @@ class RustEngineConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         at_least("engine.", self, 1, "piece", why=" (prompt tokens read per piece)")
-        if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
-            raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear is "
-                              f"held 4-bit, multiplied by {int4_cpu.OP}")  # fmt: skip
-        if reason := int4.limbs_refused(self.int4_limbs, self.weights):
+        if reason := int4.one_row_refused(self.one_row, self.weights) or int4.limbs_refused(self.int4_limbs,
+                                                                                             self.weights):
             raise ConfigError(reason)
+
+    def settings_without_effect(self) -> tuple[str, ...]:
+        """The settings that take no effect with the others, for the evidence (each refused there other than at its
+        default, so its value says nothing of the way)."""
+        return int4.settings_without_effect(self.weights)
 
 
 def built() -> str | None:
@@ -236,7 +239,7 @@ class RustEngine(Engine):
                      "joined_linears": self.joined_linears,
                      "held_together_bytes": self.held_together_bytes, "product_bytes": product_bytes(self.model),
                      "weights": str(self.ctx.engine_cfg.weights), "row_linears": self.row_linears,
-                     "settings_without_effect": list(int4.settings_without_effect(self.ctx.engine_cfg.weights)),
+                     "settings_without_effect": list(self.ctx.engine_cfg.settings_without_effect()),
                      **cpu_kernels.facts(self.model)}  # fmt: skip
         if self.int4:
             described.update(int4.described(self.model, self.int4_linears))

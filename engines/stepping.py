@@ -88,7 +88,7 @@ class SteppingEngineConfig(EngineConfig):
     backend, and an option TorchInductor does not know is refused by it when the step compiles.
     ``one_row``: which kernel a dense linear calls on one row (``engines/one_row.py``: ``auto`` is the fastest on
     this CPU, measured on the model's own shapes; ``rows`` the project's ``bf16_rows`` for every row count,
-    skipped, named, where it cannot run); refused as ``mv`` or ``rows`` where no linear is dense
+    skipped, named, where it cannot run); refused other than ``auto`` where no linear is dense
     (``engine.weights=int4``). ``int4_limbs``: how many 7-bit limbs ``int4_rows`` holds each input of an int4 linear
     in (``engines.int4_cpu.LIMBS``: 3, or 2 for two thirds of its products, inputs far below their block's largest
     rounded coarser); other than 3, refused where no linear is 4-bit and skipped where ``int4_rows`` does not run.
@@ -102,11 +102,14 @@ class SteppingEngineConfig(EngineConfig):
     int4_limbs: int = int4_cpu.DEFAULT_LIMBS
 
     def __post_init__(self) -> None:
-        if self.one_row in (OneRow.mv, OneRow.rows) and self.weights == Weights.int4:
-            raise ConfigError(f"engine.one_row={self.one_row} has no effect with engine.weights=int4: every linear "
-                              "is held 4-bit (Int4Linear), none is dense")  # fmt: skip
-        if reason := int4.limbs_refused(self.int4_limbs, self.weights):
+        if reason := int4.one_row_refused(self.one_row, self.weights) or int4.limbs_refused(self.int4_limbs,
+                                                                                             self.weights):
             raise ConfigError(reason)
+
+    def settings_without_effect(self) -> tuple[str, ...]:
+        """The settings that take no effect with the others, for the evidence (each refused there other than at its
+        default, so its value says nothing of the way)."""
+        return int4.settings_without_effect(self.weights)
 
 
 class SteppingEngine(SteppedEngine):
@@ -281,7 +284,7 @@ class SteppingEngine(SteppedEngine):
             **cpu_kernels.facts(self.model),
             "greedy": self.greedy_kernel,
             "read_every": self.ctx.read_every,
-            "settings_without_effect": list(int4.settings_without_effect(self.ctx.engine_cfg.weights)),
+            "settings_without_effect": list(self.ctx.engine_cfg.settings_without_effect()),
             **weights,
             **graph_counts(),
         }

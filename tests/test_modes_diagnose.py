@@ -132,6 +132,8 @@ def test_compiled_with_the_wrappers_on_counts_graphs_and_breaks(cells):
     # measurement (its linears through mv or the packed rows where that read faster here)
     assert (on["engine"]["one_row"], on["engine"]["one_row_linears"], on["engine"]["one_row_choice"]) == (
         "linear", 0, None)  # fmt: skip
+    assert on["engine"]["settings_without_effect"] == ["int4_limbs", "one_row"]  # evidence: neither names this way
+    assert off["engine"]["settings_without_effect"] == ["int4_limbs"]
     chose = off["engine"]["one_row_choice"]
     assert chose["how"] != "set" and off["engine"]["one_row"] == chose["one_row"]
     assert (off["engine"]["one_row_linears"] > 0) == (chose["one_row"] != "linear")

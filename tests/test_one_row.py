@@ -161,7 +161,10 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
         (("engine=ring", "engine.weights=int4", "engine.one_row=rows"), "engine.one_row=rows has no effect with"),
         (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=mv"), "engine.remove_wrappers=false"),
         (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=rows"), "engine.remove_wrappers=false"),
+        (("engine=compiled", "engine.remove_wrappers=false", "engine.one_row=linear"), "engine.remove_wrappers=false"),
         (("engine=rust", "engine.weights=int4", "engine.one_row=rows"), "engine.one_row=rows has no effect with"),
+        (("engine=ring", "engine.weights=int4", "engine.one_row=linear"), "engine.one_row=linear has no effect with"),
+        (("engine=rust", "engine.weights=int4", "engine.one_row=linear"), "engine.one_row=linear has no effect with"),
     ],
 )
 def test_mv_where_no_linear_takes_it_is_refused(cell_cfg, overrides, message):
