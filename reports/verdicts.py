@@ -135,9 +135,24 @@ def _parity(cell: pd.Series, checked: pd.DataFrame) -> Finding:
     return None, f"parity passed {where}: {found.parity_bounds}{device}"
 
 
+def reads_at(cell: pd.Series) -> dict[str, float]:
+    """The machine's reads the cell's evidence records, GB/s by what they are: the sweep's (its roofline's
+    denominator), the ones before and after the cell, the largest of those after its pairs."""
+    reads = {"the sweep's read": cell.bandwidth_gb_s}
+    around = cell.get("bandwidth_at_cell")
+    if isinstance(around, dict):
+        reads.update({f"the read {when} the cell": around[when]["value"] for when in ("before", "after")})
+    pairs = cell.get("bandwidth_at_pairs_values")
+    if isinstance(pairs, list) and pairs:
+        reads["the largest read after its pairs"] = max(pairs)
+    return {name: value for name, value in reads.items() if value is not None and not pd.isna(value)}
+
+
 def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
-    """Rules (d) and (e): broken when the cell has no rate, or bytes per token x its median rate exceeds its
-    measured bandwidth (both numbers named); a note when the evidence cannot tell."""
+    """Rules (d) and (e): broken when the cell has no rate, or bytes per token x its median rate exceeds the largest
+    read the machine gave at the cell (``reads_at``: the rate and that read named); a note when the evidence cannot
+    tell, or when the rate is above the sweep's read but within the cell's own (the host read faster while it ran:
+    the roofline by the sweep's read is left out, ``reports.arithmetic.roofline``)."""
     if not cell.decode_values:
         return "no decode_tok_s sample: every warm pair broke the method", None
     bandwidth = cell.bandwidth_gb_s
@@ -152,8 +167,14 @@ def _ceiling(cell: pd.Series, model: dict[str, Any]) -> Finding:
     need = read.total * rate / 1e9
     if need <= bandwidth:
         return None, None
+    largest, ceiling = max(reads_at(cell).items(), key=lambda named: named[1])
+    if need <= ceiling:
+        return None, (f"{read.total:,.0f} B/token x {rate:.4g} tok/s = {need:.4g} GB/s, above the sweep's read "
+                      f"({bandwidth:.4g} GB/s) but within {largest} ({ceiling:.4g}): the machine read faster while "
+                      "the cell ran; no roofline share by the sweep's read")  # fmt: skip
     return (f"rate above the bandwidth ceiling: {read.total:,.0f} B/token x {rate:.4g} tok/s = {need:.4g} GB/s "
-            f"> measured bandwidth {bandwidth:.4g} GB/s ({cell.bandwidth_source})"), None  # fmt: skip
+            f"> measured bandwidth {bandwidth:.4g} GB/s ({cell.bandwidth_source})"
+            + ("" if largest == "the sweep's read" else f", and > {largest}, {ceiling:.4g} GB/s")), None  # fmt: skip
 
 
 def _bandwidth_moved(cell: pd.Series) -> Finding:

@@ -641,6 +641,36 @@ def test_the_bandwidth_ceiling_of_a_batch_counts_its_linears_once_for_its_tokens
     assert valid or "rate above the bandwidth ceiling: 1,620 B/token" in decode.text()
 
 
+@pytest.mark.parametrize(
+    ("around", "pair_reads", "within"),
+    [
+        (None, None, None),  # the sweep's read alone: above it is above the ceiling
+        ((7e-5, 9e-5), None, "the read after the cell (9e-05)"),
+        (None, [7.9e-5, 8.5e-5], "the largest read after its pairs (8.5e-05)"),
+        ((7e-5, 8.1e-5), [8e-5, 8.15e-5], None),  # every read below the 8.181e-05 GB/s the rate needs
+    ],
+)  # fmt: skip
+def test_the_bandwidth_ceiling_is_the_largest_read_the_machine_gave_at_the_cell(tmp_path, around, pair_reads, within):
+    """A rate above the sweep's read (8e-05 GB/s) is impossible only above every read the machine gave at the cell
+    (before and after it, after each pair): within one, the cell stays VALID with a note naming it, and the report
+    gives it no roofline share by the sweep's read (over 100 %), only the one at its reads; above all, INVALID."""
+    write(tmp_path, cell_record("ring", experiment="parity"),
+          cell_record("ring", bandwidth=8e-5, around=around, pair_reads=pair_reads))  # fmt: skip
+    ev, every, decode = judged(tmp_path)
+    verdict = by_engine(every)["ring-decode-bfloat16"]
+    assert verdict.valid is (within is not None), verdict.text()
+    if within is None:
+        assert verdict.text().startswith("INVALID: rate above the bandwidth ceiling: 1,620 B/token x 50.5 tok/s")
+        largest = max([*(around or ()), *(pair_reads or ())], default=None)
+        assert largest is None or verdict.text().endswith(f"{largest:.4g} GB/s")
+        return
+    assert f"= 8.181e-05 GB/s, above the sweep's read (8e-05 GB/s) but within {within}" in " ".join(verdict.notes)
+    models = {f: r["model"] for f, r in ev.records.items()}
+    entries = {tuple(e.key.split("/")[:2]) for e in arithmetic.measured(decode, models)}
+    assert ("bytes-per-token", "ring") in entries and ("roofline", "ring") not in entries
+    assert (("roofline-at-pairs", "ring") in entries) is (pair_reads is not None)
+
+
 MOVED = ("the machine's read bandwidth moved: {} GB/s before this cell and {} after, the sweep's figure 100 (its "
          "roofline share and ratios to cells of other times move with it)")
 
