@@ -97,6 +97,16 @@ def _describe(row: pd.Series) -> str:
     return f"**{row.way_label}** {rate} (context {row.context}, N={int(row.max_new_tokens)})"
 
 
+def _roofline(row: pd.Series) -> str:
+    """The row's share of its roofline: by the sweep's read, or, where it has none (above that read, within the ones
+    at its cells: ``reports.verdicts``), at the reads after its pairs."""
+    if row.roofline_pct_shown != "–":
+        return f"{row.roofline_pct_shown} of its roofline"
+    if row.get("roofline_at_pairs_pct_shown", "–") != "–":
+        return f"{row.roofline_at_pairs_pct_shown} of its roofline at its reads (none by the sweep's read)"
+    return "no roofline"
+
+
 def _fastest(rows: pd.DataFrame) -> str:
     ways = _in_process(rows)
     if ways.empty:
@@ -105,7 +115,7 @@ def _fastest(rows: pd.DataFrame) -> str:
     best = at.loc[at.decode_median.astype(float).idxmax()]
     extras = [
         f"{best.x_generate_shown} generate" if best.x_generate_shown != "–" else "no generate row to divide by",
-        f"{best.roofline_pct_shown} of its roofline" if best.roofline_pct_shown != "–" else "no roofline",
+        _roofline(best),
         f"first call {best.first_call.value:.1f} s" if best.first_call is not None else "first call not measured",
         f"peak {best.memory_peak / 1e9:.2f} GB" if pd.notna(best.memory_peak) else "peak not measured",
     ]

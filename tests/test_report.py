@@ -669,6 +669,10 @@ def test_the_bandwidth_ceiling_is_the_largest_read_the_machine_gave_at_the_cell(
     entries = {tuple(e.key.split("/")[:2]) for e in arithmetic.measured(decode, models)}
     assert ("bytes-per-token", "ring") in entries and ("roofline", "ring") not in entries
     assert (("roofline-at-pairs", "ring") in entries) is (pair_reads is not None)
+    report = render.build(tmp_path, PUBLISHED, tmp_path / "out" / "REPORT.md", tmp_path / "out" / "arithmetic.txt")
+    (fastest,) = [line for line in report.report.read_text().splitlines() if line.startswith("- Fastest VALID way")]
+    shown = "of its roofline at its reads (none by the sweep's read)" if pair_reads else "no roofline"
+    assert shown in fastest, fastest
 
 
 MOVED = ("the machine's read bandwidth moved: {} GB/s before this cell and {} after, the sweep's figure 100 (its "
