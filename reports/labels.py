@@ -30,7 +30,8 @@ def _fields(row: pd.Series) -> dict[str, str]:
     """Everything that names a way apart from its engine, as printable ``key -> value``; not the settings its
     engine recorded as without effect."""
     pairs = (pair.split("=", 1) for pair in (row.engine_config or "").split() if "=" in pair)
-    fields = {key: value for key, value in pairs if key not in _without_effect(row)}
+    without_effect = _without_effect(row)
+    fields = {key: value for key, value in pairs if key not in without_effect}
     fields["read_every"] = str(row.read_every or 0)
     fields["way"] = row.way if isinstance(row.way, str) else ""
     fields["replica"] = str(int(row.replica or 0))
