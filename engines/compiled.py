@@ -32,6 +32,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from decodebench.checkpoint import PackedTable, load_reference
 from decodebench.config import ConfigError
+from engines import attention_cpu
 from engines.base import Generation
 from engines.generate import static_cache_bytes
 from engines.int4 import Weights
@@ -151,6 +152,8 @@ class CompiledEngine(SteppingEngine):
 
             remove_dispatch(self.model)
         self.wrapped_after = dispatch_wrapped(self.model)
+        if self.decode_attention == attention_cpu.OP:
+            attention_cpu.use_in(self.model)
         self.cache = static_cache(self.model.config, self.ctx.context)
         self.batch_cache: StaticCache | None = None  # generate_batch's, a row per sequence (built at first use)
         self.compiled_rows_step = self.compile(self.rows_step)

@@ -47,7 +47,6 @@ from decodebench.config import Tables, at_least
 from decodebench.device import Device
 from decodebench.layout import LastPiece, bucket_for, cache_layout, full_slots, kv_sources, piece_length, sliding_slots
 from engines import attention_cpu
-from engines.attention_cpu import DecodeAttention
 from engines.base import Generation
 from engines.joined import join_layers
 from engines.stepping import SteppingEngine, SteppingEngineConfig
@@ -79,16 +78,14 @@ class RingEngineConfig(SteppingEngineConfig):
     up to whole pieces, in one program made dynamic in the slot count (TorchDynamo's automatic dynamic
     shapes: a second program the first time the count changes, then no more; refused on a TPU, whose
     programs have fixed shapes). ``last_piece=bucketed``:
-    a short prompt costs about its length, not a whole piece. ``decode_attention``: which attention a decode step
-    calls (``engines.attention_cpu``: ``auto`` the project's ``one_query`` where it runs, aten's elsewhere). The
-    defaults are the article's ring, but for ``decode_attention``.
+    a short prompt costs about its length, not a whole piece. The defaults are the article's ring, but for
+    ``decode_attention`` (``SteppingEngineConfig``).
     """
 
     piece: int = 256
     attend: Attend = Attend.cache
     last_piece: LastPiece = LastPiece.padded
     per_layer_table: Tables = Tables.int4
-    decode_attention: DecodeAttention = DecodeAttention.auto
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -237,30 +234,13 @@ def ring_attention(
     keys, values = ring.read(self.layer_idx)
     if seq == 1:  # a decode step: fold the query heads (for a piece the G-times larger mask costs more)
         keep = ring.mask(self.layer_idx, q.shape[2] // keys.shape[1], seq)
-        out = grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling, one_query)
+        out = attention_cpu.grouped_attention(q.transpose(1, 2), keys, values, keep, self.scaling, one_query)
     else:
         keep = ring.mask(self.layer_idx, 1, seq)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=keep[:, None], scale=self.scaling, enable_gqa=True
         )
     return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), None
-
-
-def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float, one_query: bool = False
-) -> torch.Tensor:
-    """SDPA with each K/V head's G = H/KV query heads folded into the query length: q [B, H, S, D],
-    keys and values [B, KV, slots, D], keep [B, G*S, slots] (each sequence's [S, slots] mask repeated G times) ->
-    [B, H, S, D]. The products are the same as with ``enable_gqa`` (head h reads K/V head h // G);
-    on a CPU one [G*S, slots] product per K/V head is far cheaper than G broadcast ones. ``one_query``: the project's
-    kernel instead of aten's (``engines.attention_cpu``)."""
-    batch, heads, seq, dim = q.shape
-    folded = q.reshape(batch, keys.shape[1], heads // keys.shape[1] * seq, dim)
-    if one_query:
-        out = attention_cpu.one_query(folded, keys, values, keep, scale)
-    else:
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=keep[:, None], scale=scale)
-    return out.view(batch, heads, seq, values.shape[-1])
 
 
 class RingEngine(SteppingEngine):
@@ -286,9 +266,7 @@ class RingEngine(SteppingEngine):
         if run_cfg.engine.attend == Attend.exact and device.kind == "tpu":
             return ("engine.attend=exact needs a program whose slot count changes from call to call (dynamic "
                     "shapes); a TPU compiles fixed shapes: engine.attend=filled has a program per bucket")  # fmt: skip
-        return attention_cpu.refused(run_cfg.engine.decode_attention, device.kind, run_cfg.dtype.torch) or (
-            super().unsupported_reason(device, run_cfg)
-        )
+        return super().unsupported_reason(device, run_cfg)
 
     def dynamic_shapes(self) -> bool:
         return self.ctx.engine_cfg.attend == Attend.exact
@@ -309,8 +287,6 @@ class RingEngine(SteppingEngine):
         self.article_layout = self.attend == Attend.cache and self.ctx.engine_cfg.last_piece == LastPiece.padded
         self.buckets: dict[int, dict[str, int]] = {}  # bucket -> forwards run with it (pieces, steps)
         self.piece_lengths: dict[int, int] = {}  # padded piece length -> pieces read at it
-        self.decode_attention = attention_cpu.choose(self.ctx.engine_cfg.decode_attention, self.ctx.device.kind,
-                                                     self.ctx.dtype, self.model.config)  # fmt: skip
         one_query = self.decode_attention == attention_cpu.OP
         for layer in self.model.model.layers:
             attn = layer.self_attn
@@ -504,6 +480,5 @@ class RingEngine(SteppingEngine):
             "per_layer_table": str(self.ctx.engine_cfg.per_layer_table),
             "buckets": {str(b): n for b, n in sorted(self.buckets.items())},
             "last_piece": str(self.ctx.engine_cfg.last_piece),
-            "decode_attention": self.decode_attention,
             "piece_lengths": {str(n): k for n, k in sorted(self.piece_lengths.items())},
         }

@@ -20,7 +20,8 @@ from torch._dynamo.utils import counters
 from decodebench.checkpoint import PackedTable, load_model
 from decodebench.config import ConfigError, EngineConfig, Tables
 from decodebench.device import Device
-from engines import cpu_kernels, greedy_cpu, held, int4, int4_cpu, one_row
+from engines import attention_cpu, cpu_kernels, greedy_cpu, held, int4, int4_cpu, one_row
+from engines.attention_cpu import DecodeAttention
 from engines.int4 import Weights
 from engines.one_row import OneRow
 from engines.product_bytes import product_bytes
@@ -92,6 +93,9 @@ class SteppingEngineConfig(EngineConfig):
     (``engine.weights=int4``). ``int4_limbs``: how many 7-bit limbs ``int4_rows`` holds each input of an int4 linear
     in (``engines.int4_cpu.LIMBS``: 3, or 2 for two thirds of its products, inputs far below their block's largest
     rounded coarser); other than 3, refused where no linear is 4-bit and skipped where ``int4_rows`` does not run.
+    ``decode_attention``: which attention a decode step calls (``engines.attention_cpu``: ``auto`` the project's
+    ``one_query`` where it runs, aten's elsewhere; ``sdpa`` aten's, for ``compiled`` and ``table4`` Transformers' own
+    sdpa unchanged; ``one_query`` it, the cell skipped, with the reason, where it cannot run).
     """
 
     backend: str = "auto"
@@ -100,6 +104,7 @@ class SteppingEngineConfig(EngineConfig):
     inductor: dict[str, Any] = field(default_factory=dict)
     one_row: OneRow = OneRow.auto
     int4_limbs: int = int4_cpu.DEFAULT_LIMBS
+    decode_attention: DecodeAttention = DecodeAttention.auto
 
     def __post_init__(self) -> None:
         if reason := int4.one_row_refused(self.one_row, self.weights) or int4.limbs_refused(self.int4_limbs,
@@ -143,6 +148,8 @@ class SteppingEngine(SteppedEngine):
                 return reason
         if reason := one_row.rows_refused(run_cfg.engine.one_row, device.kind, run_cfg.dtype.torch):
             return reason
+        if reason := attention_cpu.refused(run_cfg.engine.decode_attention, device.kind, run_cfg.dtype.torch):
+            return reason
         return super().unsupported_reason(device, run_cfg)
 
     @classmethod
@@ -180,6 +187,8 @@ class SteppingEngine(SteppedEngine):
             elif self.one_row_choice.one_row == OneRow.rows:
                 self.row_linears = one_row.pack_dense_linears(self.model)
         self.greedy_kernel = greedy_cpu.choose(self.ctx.device.kind, self.ctx.dtype)
+        self.decode_attention = attention_cpu.choose(self.ctx.engine_cfg.decode_attention, self.ctx.device.kind,
+                                                     self.ctx.dtype, self.model.config)  # fmt: skip
         self.build()
         self.compiled_step: Step = self.compile(self.step)
 
@@ -283,6 +292,7 @@ class SteppingEngine(SteppedEngine):
             "one_row_choice": self.one_row_choice.record() if self.one_row_choice else None,
             **cpu_kernels.facts(self.model),
             "greedy": self.greedy_kernel,
+            "decode_attention": self.decode_attention,
             "read_every": self.ctx.read_every,
             "settings_without_effect": list(self.ctx.engine_cfg.settings_without_effect()),
             **weights,

@@ -12,9 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engines import attention_cpu
 from runner import run_cell
+from tests.conftest import opened
+
+KERNEL_EVENT = "decodebench_attn::one_query"  # the operator as the profiler names it
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +118,13 @@ def test_one_query_is_refused_by_name_where_it_cannot_run(cell_cfg, tiny):
 
 @pytest.mark.usefixtures("_runs_here")
 @pytest.mark.parametrize("attention", ["one_query", "sdpa"])
-@pytest.mark.parametrize("engine", ["ring", "rust"])
+@pytest.mark.parametrize("engine", ["ring", "compiled", "rust"])
 def test_a_decode_step_at_bf16_writes_the_reference_tokens_with_either_attention(cell_cfg, tiny, engine, attention):
-    """The ring and the Rust engine (whose shim finds the operator by name in ATen's dispatcher)."""
+    """The ring, ``compiled`` (Transformers' model, the kernel through its attention interface) and the Rust engine
+    (whose shim finds the operator by name in ATen's dispatcher)."""
     if engine == "rust":
         pytest.importorskip("decodebench_rs", reason="the rust engine is not built (make setup)")
-    compiled = ("engine.backend=eager",) if engine == "ring" else ()
+    compiled = ("engine.backend=eager",) if engine != "rust" else ()
     record = run_cell(cell_cfg(f"engine={engine}", *compiled, "experiment=parity-bf16", "context=256",
                                f"engine.decode_attention={attention}"))  # fmt: skip
     assert record["status"] == "ok", record["reason"]
@@ -140,3 +146,53 @@ def test_one_query_takes_one_mask_row_broadcast_to_every_query_row():
     assert broadcast.stride(1) == 0
     got = attention_cpu.one_query(q, keys, values, broadcast, 0.125)
     assert torch.equal(got, attention_cpu.one_query(q, keys, values, broadcast.contiguous(), 0.125))
+
+
+@pytest.mark.usefixtures("_runs_here")
+@pytest.mark.parametrize("masked", [True, False])
+def test_transformers_attention_is_sdpa_for_a_decode_step_and_sdpa_itself_for_a_prompt(masked):
+    """The attention ``compiled`` and ``table4`` hand Transformers' model (``transformers_attention``): for one query a
+    sequence (a batch of two, 8 query heads over one K/V head, each row its own mask; no mask: every slot) the
+    float64 attention rounded once, in Transformers' sdpa layout [B, S, H, D]; for a prompt of several queries
+    Transformers' own sdpa, bit for bit."""
+    generator = torch.Generator().manual_seed(11)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 8, True
+    keys, values = (torch.randn(2, 1, 200, 256, generator=generator).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 8, 1, 256, generator=generator).to(torch.bfloat16)
+    mask = (torch.rand(2, 1, 1, 200, generator=generator) < 0.7) if masked else None
+    got, weights = attention_cpu.transformers_attention(module, q, keys, values, mask, scaling=1.0)
+    keep = mask[:, 0].expand(2, 8, 200) if masked else torch.ones(2, 8, 200, dtype=torch.bool)
+    want = reference(q.view(2, 1, 8, 256), keys, values, keep, 1.0).view(2, 8, 1, 256).transpose(1, 2)
+    assert weights is None and got.shape == (2, 1, 8, 256)
+    assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + values.double().abs().amax() * 200 * 2.0**-24).all()
+    prompt = torch.randn(2, 8, 5, 256, generator=generator).to(torch.bfloat16)
+    prompt_mask = torch.rand(2, 1, 5, 200, generator=generator) < 0.7
+    piece, _ = attention_cpu.transformers_attention(module, prompt, keys, values, prompt_mask, scaling=1.0)
+    assert torch.equal(piece, sdpa_attention_forward(module, prompt, keys, values, prompt_mask, scaling=1.0)[0])
+
+
+@pytest.mark.usefixtures("_runs_here")
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_compileds_decode_steps_call_the_kernel_through_transformers_attention(attention):
+    """``compiled`` on Transformers' model: with ``auto`` each decode step calls ``one_query`` once a layer, the
+    prompt keeps Transformers' sdpa for every layer that reads all of its rows; ``sdpa`` leaves the kernel out. Counted
+    once compiled (tracing calls each operator's fake kernel under the same name)."""
+    engine = opened("engine=compiled", "engine.backend=eager", f"engine.decode_attention={attention}").load()
+    try:
+        engine.generate([5, 6, 7, 8], 2)
+        calls = {}
+        for steps in (2, 4):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.generate([5, 6, 7, 8], steps)
+            names = [e.name for e in prof.events()]
+            calls[steps] = tuple(names.count(op) for op in (KERNEL_EVENT, "aten::scaled_dot_product_attention"))
+        layers = engine.model.config.num_hidden_layers
+        if attention == "auto":
+            assert engine.describe()["decode_attention"] == attention_cpu.OP
+            assert calls[4][0] - calls[2][0] == 2 * layers and calls[4][1] == calls[2][1] > 0
+        else:
+            assert engine.describe()["decode_attention"] == attention_cpu.SDPA
+            assert calls[4][0] == 0 and calls[4][1] - calls[2][1] == 2 * layers
+    finally:
+        engine.close()

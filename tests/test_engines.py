@@ -14,8 +14,9 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from decodebench.device import Device, resolve_device
 from decodebench.layout import bucket_for, kv_sources
+from engines.attention_cpu import grouped_attention
 from engines.int4 import Int4Embedding
-from engines.ring import RingEngine, grouped_attention
+from engines.ring import RingEngine
 from engines.stepping import frozen_model_guards
 from runner import run_cell, typed_config
 from tests.conftest import e2b_text_config, make_cfg, opened
