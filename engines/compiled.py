@@ -107,6 +107,9 @@ class CompiledEngineConfig(SteppingEngineConfig):
 
     ``remove_wrappers=false``: the model is loaded through Transformers' own compressed-tensors path
     and compressed-tensors' module wrappers are left on (the article's "wrappers on" row, Step 8).
+    ``decode_attention`` (``SteppingEngineConfig``): ``auto`` gives a decode step's attention to the project's
+    ``one_query`` where it runs, through Transformers' attention interface (``attention_cpu.use_in``), with the
+    wrappers on or off; ``sdpa`` keeps Transformers' own, as the article ran it.
     """
 
     remove_wrappers: bool = True
