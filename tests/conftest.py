@@ -45,10 +45,11 @@ def make_cfg(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-def e2b_text_config() -> Any:
-    """Transformers' Gemma 4 text config of E2B's shape (``model=e2b-synthetic``), for tests of its layout."""
+def e2b_text_config(model: str = "e2b-synthetic") -> Any:
+    """Transformers' Gemma 4 text config of E2B's shape (``model=e2b-synthetic``, or another model config), for
+    tests of its layout."""
     special = {"<pad>": 0, "<bos>": 2, "<eos>": 1, TURN_END: 106}
-    return text_config(shape_of(make_cfg("model=e2b-synthetic").model), special)
+    return text_config(shape_of(make_cfg(f"model={model}").model), special)
 
 
 def opened(*overrides: str) -> OpenEngine:

@@ -292,3 +292,21 @@ def test_a_compiled_step_holds_the_frozen_model_and_takes_the_ring_each_call(cel
         assert "ring" in entry.code.co_names and "_modules" not in entry.code.co_names
     finally:
         opened_ring.close()
+
+
+def test_the_skeleton_has_e2bs_layers_at_tiny_widths():
+    """``model=e2b-skeleton`` (what a step costs beside its weights) builds E2B's layers: the same layer types, K/V
+    sources, head dims and doubled MLPs in the same pattern, the same heads, and every width far below E2B's."""
+    e2b, skeleton = e2b_text_config(), e2b_text_config("e2b-skeleton")
+    assert skeleton.layer_types == e2b.layer_types and kv_sources(skeleton) == kv_sources(e2b)
+
+    def layer(config, i):  # against the first layer's (a sliding layer of the narrow MLP)
+        per, first = config.per_layer_config[i], config.per_layer_config[0]
+        return per.head_dim // first.head_dim, per.intermediate_size // first.intermediate_size, per.num_key_value_heads
+
+    assert [layer(skeleton, i) for i in range(35)] == [layer(e2b, i) for i in range(35)]
+    assert (skeleton.num_attention_heads, skeleton.num_kv_shared_layers) == (e2b.num_attention_heads, 20)
+    for width in ("hidden_size", "vocab_size", "hidden_size_per_layer_input"):
+        assert getattr(skeleton, width) * 8 <= getattr(e2b, width), width
+    for width in ("head_dim", "intermediate_size"):
+        assert getattr(skeleton.per_layer_config[4], width) * 8 <= getattr(e2b.per_layer_config[4], width), width
