@@ -154,7 +154,7 @@ def test_transformers_attention_is_sdpa_for_a_decode_step_and_sdpa_itself_for_a_
     """The attention ``compiled`` and ``table4`` hand Transformers' model (``transformers_attention``): for one query a
     sequence (a batch of two, 8 query heads over one K/V head, each row its own mask; no mask: every slot) the
     float64 attention rounded once, in Transformers' sdpa layout [B, S, H, D]; for a prompt of several queries
-    Transformers' own sdpa, bit for bit."""
+    Transformers' own sdpa, bit for bit, and so the float64 attention within the bf16 rounding of its weights."""
     generator = torch.Generator().manual_seed(11)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 8, True
@@ -170,6 +170,10 @@ def test_transformers_attention_is_sdpa_for_a_decode_step_and_sdpa_itself_for_a_
     prompt_mask = torch.rand(2, 1, 5, 200, generator=generator) < 0.7
     piece, _ = attention_cpu.transformers_attention(module, prompt, keys, values, prompt_mask, scaling=1.0)
     assert torch.equal(piece, sdpa_attention_forward(module, prompt, keys, values, prompt_mask, scaling=1.0)[0])
+    # aten's bf16 attention rounds the softmax weights (which sum to 1) to bf16 before V: up to 2^-8 of V's largest
+    want = reference(prompt, keys.expand(2, 8, -1, -1), values.expand(2, 8, -1, -1), prompt_mask[:, 0], 1.0)
+    want = want.transpose(1, 2)
+    assert ((piece.double() - want).abs() <= (want.abs() + values.double().abs().amax()) * 2.0**-8).all()
 
 
 @pytest.mark.usefixtures("_runs_here")
