@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from decodebench.device import Device, Read
+from engines import prefetch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "int4_rows.cpp", CSRC / "bf16_rows.cpp", CSRC / "one_query.cpp", CSRC / "rms_norm.cpp",
@@ -53,9 +54,10 @@ def source_digest() -> str:
 
 
 def built() -> bool:
-    """Builds (once per source and torch version; a no-op after) and loads the library; True when this CPU runs
-    it, False when it cannot be built here (a warning says why) or this CPU cannot run it."""
-    return loaded_digest() is not None
+    """Builds (once per source and torch version; a no-op after) and loads the library, its prefetch hint set to
+    this machine's (``prefetch_choice``); True when this CPU runs it, False when it cannot be built here (a warning
+    says why) or this CPU cannot run it."""
+    return prefetch_choice() is not None
 
 
 @functools.cache
@@ -96,6 +98,17 @@ def loaded_digest() -> str | None:
     return digest if torch.ops.decodebench_int4.supported() else None
 
 
+@functools.cache
+def prefetch_choice() -> prefetch.Choice | None:
+    """The cache level the kernels prefetch into on this machine (``engines.prefetch``: timed once on cold weights,
+    cached in ``build/`` per CPU, torch, threads and sources), set for this process's kernels; None where they do not
+    run here."""
+    digest = loaded_digest()
+    if digest is None:
+        return None
+    return prefetch.choose(BUILD / "prefetch", prefetch.key(digest, torch.get_num_threads()))
+
+
 def missing() -> str | None:
     """Why no kernel of the library runs here (each kernel's own ``unsupported`` adds its rules), or None."""
     return None if built() else "it was not built here, or this CPU lacks AVX-512 BF16 or VNNI"
@@ -108,8 +121,8 @@ def threads() -> int | None:
 
 
 def prefetch_hint() -> str | None:
-    """The cache level the kernels' prefetches ask for on this CPU (``nta`` on AMD, ``t0+t1`` elsewhere: ``csrc/rows.h``
-    has the figures behind the choice), or None where they do not run here."""
+    """The cache level the kernels' prefetches ask for now (``nta`` or ``t0+t1``; ``prefetch_choice`` sets it), or
+    None where they do not run here."""
     return str(torch.ops.decodebench_int4.prefetch_hint()) if built() else None
 
 
@@ -128,13 +141,15 @@ NAMESPACES = ("decodebench_int4.", "decodebench_bf16.")  # the library's product
 
 
 def facts(model: nn.Module) -> dict[str, int | str | None]:
-    """For a way's evidence: the threads the kernels share a product among, their prefetch hint and the digest of
+    """For a way's evidence: the threads the kernels share a product among, their prefetch hint (and how it was
+    chosen) and the digest of
     their sources (a parity check vouches for a decode cell only where both ran the same kernels), where some product
     of ``model`` runs on them (``int4_rows``, ``bf16_rows``); None for each where none does."""
     used = any(str(getattr(m, "kernel", "")).startswith(NAMESPACES) for m in model.modules())
     return {
         "cpu_kernel_threads": threads() if used else None,
         "cpu_kernel_prefetch": prefetch_hint() if used else None,
+        "cpu_kernel_prefetch_choice": prefetch_choice().record() if used else None,
         "cpu_kernel_source": loaded_digest() if used else None,
     }
 
@@ -142,7 +157,9 @@ def facts(model: nn.Module) -> dict[str, int | str | None]:
 def main() -> None:
     """``make setup``: builds them once."""
     if built():
-        runs = f"built, and this CPU runs them on {threads()} threads, prefetching {prefetch_hint()}"
+        choice = prefetch_choice()
+        ms = ", ".join(f"{hint} {ms:.1f} ms" for hint, ms in choice.ms.items())
+        runs = f"built, and this CPU runs them on {threads()} threads, prefetching {choice.hint} ({choice.how}: {ms})"
     else:
         runs = "not run here (see the warning above, or no AVX-512 BF16)"
     print(f"setup: the project's CPU kernels into {BUILD}: {runs}")

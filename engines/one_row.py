@@ -18,9 +18,9 @@ against 19.8. A prompt piece (more than one row) keeps ``F.linear``.
 * ``auto``: on a CPU, whichever of these reads the model's own weights fastest for one row on this machine
   (``choose``; ``rows`` where the engine and the CPU take it): each distinct dense weight shape timed every way
   (best of ``TIMED_CALLS``), summed over the linears of that shape, once per CPU model and flags, torch version,
-  threads, dtype, ways (and the project's kernel sources, where ``rows`` is timed) and shapes, cached in
-  ``<cache_dir>/one_row/`` and recorded in the evidence; ``linear`` elsewhere (a GPU's BLAS and XLA already treat
-  one row as a matrix-vector product). The choice is the machine's: on a 2-core Xeon with AMX ``mv`` read faster
+  threads, dtype, ways (and the project's kernel sources and prefetch hint, where ``rows`` is timed) and shapes,
+  cached in ``<cache_dir>/one_row/`` and recorded in the evidence; ``linear`` elsewhere (a GPU's BLAS and XLA already
+  treat one row as a matrix-vector product). The choice is the machine's: on a 2-core Xeon with AMX ``mv`` read faster
   than ``F.linear``, on a 2-core AMD EPYC (AVX-512, no AMX) ``F.linear`` did (issue 43).
 """
 
@@ -139,7 +139,7 @@ def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cac
     counts = Counter((tuple(w.shape), str(w.dtype)) for w in weights)
     key = {"cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "ways": [str(w) for w in timed],
-           "kernels": cpu_kernels.loaded_digest() if OneRow.rows in timed else None,
+           "kernels": [cpu_kernels.loaded_digest(), cpu_kernels.prefetch_hint()] if OneRow.rows in timed else None,
            "shapes": sorted([list(shape), dtype, n] for (shape, dtype), n in counts.items())}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "one_row" / f"{digest}.json" if cache_dir is not None else None

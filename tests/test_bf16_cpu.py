@@ -6,8 +6,6 @@ everywhere."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -80,12 +78,3 @@ def test_a_product_is_shared_among_torchs_threads_with_the_same_outputs():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outputs[1], outputs[2])
-
-
-def test_the_prefetch_hint_is_nta_on_amd_alone():
-    """The kernels prefetch non-temporally on an AMD CPU and into every cache level elsewhere (``csrc/rows.h``: NTA
-    read a third of the bandwidth on a Xeon): the CPU's vendor read here from /proc/cpuinfo, there by cpuid."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    vendors = {line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")}
-    assert len(vendors) == 1
-    assert cpu_kernels.prefetch_hint() == ("nta" if vendors == {"AuthenticAMD"} else "t0+t1")

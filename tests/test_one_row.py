@@ -145,12 +145,13 @@ def test_a_stepping_engine_writes_the_same_tokens_every_way(cell_cfg, tiny, engi
         assert record["outputs"]["generated_ids"] == records["linear"]["outputs"]["generated_ids"], setting
     for record in (mv, linear):  # no product on the kernels
         assert record["cpu_kernel_threads"] is None and record["cpu_kernel_prefetch"] is None
+        assert record["cpu_kernel_prefetch_choice"] is None
         assert record["cpu_kernel_source"] is None
     if "rows" in records:
         rows = records["rows"]["engine"]
         assert (rows["one_row"], rows["one_row_linears"]) == ("rows", mv["one_row_linears"])
         assert rows["cpu_kernel_threads"] == torch.get_num_threads()  # the thread count this process runs with
-        assert rows["cpu_kernel_prefetch"] == cpu_kernels.prefetch_hint()
+        assert rows["cpu_kernel_prefetch"] == cpu_kernels.prefetch_hint() == rows["cpu_kernel_prefetch_choice"]["hint"]
         assert rows["cpu_kernel_source"] == cpu_kernels.source_digest()  # what its parity check must share with it
 
 

@@ -314,6 +314,7 @@ TORCH_LIBRARY(decodebench_int4, m) {
   m.def("supported() -> bool", &supported);
   m.def("threads() -> int", &threads_used);
   m.def("prefetch_hint() -> str", [] { return std::string(prefetch_hint_name()); });
+  m.def("use_prefetch_hint(str hint) -> ()", &use_prefetch_hint);
 }
 
 TORCH_LIBRARY_IMPL(decodebench_int4, CPU, m) { m.impl("int4_rows", &int4_rows); }

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace decodebench {
 
@@ -24,22 +25,27 @@ constexpr int64_t kTile = 16;  // outputs in a tile: one float32 lane each
 // ~50 GB/s; 1, 4, 8, 16 and 32 KiB ahead (_MM_HINT_T0) gave 33, 40-45, 46-46.5, 44-46 and 46 GB/s there.
 constexpr int64_t kPrefetchBytes = 16384;
 
-// The cache level a prefetch asks for, chosen per CPU vendor at run time (`prefetch_hint`). On the 2-core AMD EPYC
-// (Zen 5) one bf16 row over 30 cold copies of a layer's MLP weights read 32-39 GB/s with T0 and 40-44 with NTA (the
-// non-temporal hint: the weights are read once a step and should push nothing else out of the caches; lm_head 37-40
-// either way), the int4 product's layer shapes 10-15% faster. On a 2-core Xeon with AMX (streaming read 24-27 GB/s)
-// NTA starved both kernels: one row over lm_head (cold, two threads) read 11.0 GB/s (bf16) and 8.7 (int4) with NTA
-// 16 KiB ahead, 22.9 and 12.4 with no software prefetch, 27.3 and 24.7 with T0 (T1 and T2 within 10% of T0; T0 8 and
-// 16 KiB ahead the best, 32 KiB 10-15% slower). NTA only where it was measured better: AMD.
+// The cache level a prefetch asks for (`prefetch_hint`): the machine's, timed once on cold weights and set through
+// `use_prefetch_hint` when the library is loaded (engines/prefetch.py), since no rule by vendor held. On the 2-core AMD
+// EPYC (Zen 5) one bf16 row over 30 cold copies of a layer's MLP weights read 32-39 GB/s with T0 and 40-44 with NTA
+// (the non-temporal hint: the weights are read once a step and should push nothing else out of the caches; lm_head
+// 37-40 either way), the int4 product's layer shapes 10-15% faster. On a 2-core Xeon with AMX (streaming read 24-27
+// GB/s) NTA starved both kernels: one row over lm_head (cold, two threads) read 11.0 GB/s (bf16) and 8.7 (int4) with
+// NTA 16 KiB ahead, 22.9 and 12.4 with no software prefetch, 27.3 and 24.7 with T0 (T1 and T2 within 10% of T0; T0 8
+// and 16 KiB ahead the best, 32 KiB 10-15% slower). On a 2-core AMD EPYC (Zen 4) the int4 product (three limbs) over
+// cold copies of 12288 x 1536 read 36.2 GB/s with T0 and T1 and 28.5 with NTA, stream read 41 (27.3 and 23.8 at a read
+// of 27), its bf16 product within 5% either way. Until it is set: NTA on AMD, T0 elsewhere.
 enum class Hint { kNta, kT0 };
 
-inline Hint prefetch_hint() {
-  static const Hint hint = [] {
+inline std::atomic<Hint>& chosen_hint() {
+  static std::atomic<Hint> hint{[] {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") ? Hint::kNta : Hint::kT0;
-  }();
+  }()};
   return hint;
 }
+
+inline Hint prefetch_hint() { return chosen_hint().load(std::memory_order_relaxed); }
 
 // Bytes ahead of the ones being read that a second prefetch asks L2 for, where the hint is T0 (64 KiB). On the 2-core
 // KVM Xeon with the weights in 2 MiB pages (decodebench/pages.py; its streaming read 30-37 GB/s) one bf16 row over
@@ -176,6 +182,12 @@ inline void each_pass(int64_t tiles, int64_t rows, int64_t out, Fn&& fn) {
 
 // The hint's name, for the evidence: "nta", or "t0+t1" (T0 kPrefetchBytes ahead, T1 kFarBytes ahead).
 inline const char* prefetch_hint_name() { return prefetch_hint() == Hint::kNta ? "nta" : "t0+t1"; }
+
+// Sets the hint every kernel of the library prefetches with from now on, by its name (`prefetch_hint_name`).
+inline void use_prefetch_hint(const std::string& name) {
+  TORCH_CHECK(name == "nta" || name == "t0+t1", "prefetch hint: nta or t0+t1, got ", name);
+  chosen_hint().store(name == "nta" ? Hint::kNta : Hint::kT0, std::memory_order_relaxed);
+}
 
 // The threads each_pass's parallel_for runs on when it has 64 blocks to share: the library's check that it was built
 // with OpenMP (without it, ATen's inline parallel_for runs every block on the calling thread, and the kernels read
