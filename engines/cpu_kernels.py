@@ -142,9 +142,9 @@ NAMESPACES = ("decodebench_int4.", "decodebench_bf16.")  # the library's product
 
 def facts(model: nn.Module) -> dict[str, int | str | None]:
     """For a way's evidence: the threads the kernels share a product among, their prefetch hint (and how it was
-    chosen) and the digest of
-    their sources (a parity check vouches for a decode cell only where both ran the same kernels), where some product
-    of ``model`` runs on them (``int4_rows``, ``bf16_rows``); None for each where none does."""
+    chosen) and the digest of their sources (a parity check vouches for a decode cell only where both ran the same
+    kernels), where some product of ``model`` runs on them (``int4_rows``, ``bf16_rows``); None for each where none
+    does."""
     used = any(str(getattr(m, "kernel", "")).startswith(NAMESPACES) for m in model.modules())
     return {
         "cpu_kernel_threads": threads() if used else None,

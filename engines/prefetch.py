@@ -5,7 +5,8 @@ back, asking the cache for the bytes 16 KiB ahead (``csrc/rows.h``). Which hint 
 vendor's: non-temporal (``nta``) was faster on a Zen 5 EPYC, starved both kernels on a Xeon with AMX, and on a Zen 4
 EPYC left the int4 product at 28.5 GB/s where T0 with T1 further ahead (``t0+t1``) read 36.2 (``csrc/rows.h`` has the
 figures). So once the library is loaded (``engines.cpu_kernels``), ``choose`` times both on this machine: one row
-through each kernel over cold copies of E2B's MLP weight (``SHAPE``: int4 in three limbs, and bf16), the hints taking
+through each kernel over cold copies of E2B's MLP weight (``SHAPE``: int4 in three limbs, and bf16; for each kernel
+the bytes the roofline's streaming read covers, ``decodebench.device.read_bytes``), the hints taking
 turns for ``ROUNDS`` rounds, each hint's median round kept; the faster is set for every kernel of the process. The
 choice is cached per CPU model and flags, torch version, threads and kernel sources (``key``) and recorded in each
 way's evidence (``cpu_kernel_prefetch_choice``).
@@ -24,12 +25,12 @@ from typing import Any
 
 import torch
 
+from decodebench.device import read_bytes
 from decodebench.environment import cpu_flags, cpu_model
 from decodebench.files import write_text_atomic
 
 HINTS = ("nta", "t0+t1")  # the names csrc/rows.h gives its hints
 SHAPE = (12288, 1536)  # outputs, inputs: E2B's MLP gate and up of one layer, joined
-COLD_BYTES = 160 * 2**20  # each kernel's copies of SHAPE in all: five times a 32 MiB L3
 GROUP = 32  # inputs a scale of the int4 copies (E2B's)
 TILE = 16  # outputs a tile of both kernels' layouts
 ROUNDS = 7  # each hint timed this many times, the median kept
@@ -57,17 +58,18 @@ def key(kernels: str, threads: int) -> dict[str, Any]:
 
 
 def cold_passes() -> Callable[[], None]:
-    """One row through ``int4_rows`` (three limbs) and through ``bf16_rows`` over copies of ``SHAPE``, each kernel's
-    ``COLD_BYTES`` in all, laid out as their packing lays a weight out (random levels and values: the rate does not
-    depend on them)."""
+    """One row through ``int4_rows`` (three limbs) and through ``bf16_rows`` over copies of ``SHAPE``, for each kernel
+    the bytes a streaming read covers (``read_bytes``: 256 MiB, at least four times the last-level cache), laid out as
+    their packing lays a weight out (random levels and values: the rate does not depend on them)."""
     out, inputs = SHAPE
     tiles = out // TILE
     generator = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**15), 2**15, (tiles, inputs // 8, 32), dtype=torch.int16, generator=generator)
     scales = torch.rand(tiles, inputs // GROUP, TILE, generator=generator).to(torch.float16)
     packed = torch.randn(tiles, inputs // 2, TILE, 2, generator=generator).to(torch.bfloat16)
-    int4 = [(words.clone(), scales.clone()) for _ in range(max(1, COLD_BYTES // (words.nbytes + scales.nbytes)))]
-    bf16 = [packed.clone() for _ in range(max(1, COLD_BYTES // packed.nbytes))]
+    cold = read_bytes("cpu")
+    int4 = [(words.clone(), scales.clone()) for _ in range(max(1, cold // (words.nbytes + scales.nbytes)))]
+    bf16 = [packed.clone() for _ in range(max(1, cold // packed.nbytes))]
     x = torch.randn(1, inputs, generator=generator).to(torch.bfloat16)
 
     def passes() -> None:

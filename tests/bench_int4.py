@@ -16,8 +16,9 @@ below the machine's streaming read, the kernel cannot reach the read from memory
 Not part of ``make test`` (speed belongs in benchmarks): the Makefile runs this file alone and keeps
 pytest-benchmark's JSON under ``evidence/bench/``, where ``make report`` reads it. Each benchmark
 also checks that the int4 output equals the dense one on the dequantized weight (bf16 tolerance), and records
-the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors), so the report can
-give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``), and the
+the bytes one call must read (``extra_info["bytes"]``: the held weight's, from its tensors) and the project's kernels'
+prefetch hint (``extra_info["prefetch"]``: ``engines/prefetch.py``'s choice, None where they do not run), so the report
+can give each kernel's GB/s alone, against the same class's GB/s inside a decode step (``experiment=profile``), and the
 machine's streaming read just after it (``extra_info["read_gb_s"]``, ``hardware.read_now``, the project's stream
 read beside torch's). A memory row also alternates, ``PAIRED_ROUNDS`` times, one pass over every copy of its weight
 with one streaming read (``extra_info["read_pairs"]``: the GB/s of each, round by round), so its share of the read is
@@ -170,7 +171,8 @@ def test_linear(benchmark, device, shape, weights, residence):
         return y
 
     benchmark.extra_info.update(device=device.name, kernel=layers[0].kernel if layers else KERNELS[weights], bytes=held,
-                                copies=copies, threads=torch.get_num_threads(), outputs=outputs)  # fmt: skip
+                                copies=copies, threads=torch.get_num_threads(), outputs=outputs,
+                                prefetch=cpu_kernels.prefetch_hint())  # fmt: skip
     y = benchmark(call)
     # what the machine's streaming read gave just after (a shared host's moves within minutes): the GB/s beside it
     benchmark.extra_info["read_gb_s"] = hardware.read_now(device, cpu_kernels.reads(device))["value"]
