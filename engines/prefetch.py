@@ -60,7 +60,9 @@ def key(kernels: str, threads: int) -> dict[str, Any]:
 def cold_passes() -> Callable[[], None]:
     """One row through ``int4_rows`` (three limbs) and through ``bf16_rows`` over copies of ``SHAPE``, for each kernel
     the bytes a streaming read covers (``read_bytes``: 256 MiB, at least four times the last-level cache), laid out as
-    their packing lays a weight out (random levels and values: the rate does not depend on them)."""
+    their packing lays a weight out (random levels and values: the rate does not depend on them). The layouts' shapes
+    are written here, not packed by ``int4_cpu`` and ``bf16_cpu``: those import the library's loader, which imports
+    this module; the operators check every shape."""
     out, inputs = SHAPE
     tiles = out // TILE
     generator = torch.Generator().manual_seed(0)
