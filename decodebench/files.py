@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -31,6 +35,22 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """``write_bytes_atomic`` of ``text`` as UTF-8."""
     write_bytes_atomic(path, text.encode())
+
+
+def measured_once(
+    folder: Path | None, key: dict[str, Any], measure: Callable[[], dict[str, Any]]
+) -> tuple[dict[str, Any], str]:
+    """A measurement kept per machine and setting: read back from ``folder``'s file for ``key`` (a JSON-able dict,
+    its digest the file's name) where it is there, how ``cached (<path>)``; else taken by ``measure`` and written
+    there whole, the key beside it, how ``measured`` (``folder`` None: taken every time, nothing written)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = folder / f"{digest}.json" if folder is not None else None
+    if path is not None and path.is_file():
+        return json.loads(path.read_text()), f"cached ({path})"
+    measured = measure()
+    if path is not None:
+        write_text_atomic(path, json.dumps({**key, **measured}, indent=2) + "\n")
+    return measured, "measured"
 
 
 def cannot_write(folder: Path) -> str | None:

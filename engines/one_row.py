@@ -26,8 +26,6 @@ against 19.8. A prompt piece (more than one row) keeps ``F.linear``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -40,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodebench.environment import cpu_flags, cpu_model
-from decodebench.files import write_text_atomic
+from decodebench.files import measured_once
 from engines import bf16_cpu, cpu_kernels
 from engines.base import EngineLimit
 
@@ -141,23 +139,21 @@ def choose(requested: OneRow, device_kind: str, weights: list[torch.Tensor], cac
            "ways": [str(w) for w in timed],
            "kernels": [cpu_kernels.loaded_digest(), cpu_kernels.prefetch_hint()] if OneRow.rows in timed else None,
            "shapes": sorted([list(shape), dtype, n] for (shape, dtype), n in counts.items())}  # fmt: skip
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / "one_row" / f"{digest}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        saved = json.loads(path.read_text())
-        return Choice(OneRow(saved["one_row"]), f"cached ({path})", saved["ms"], len(counts))
-    first = {}
-    for w in weights:
-        first.setdefault((tuple(w.shape), str(w.dtype)), w)
-    ms = dict.fromkeys(map(str, timed), 0.0)
-    with torch.inference_mode():
-        for shape, n in counts.items():
-            for way in timed:
-                ms[str(way)] += n * best_ms(one_row_call(way, first[shape]))
-    choice = Choice(OneRow(min(ms, key=ms.get)), "measured", ms, len(counts))
-    if path is not None:
-        write_text_atomic(path, json.dumps({**key, **choice.record()}, indent=2) + "\n")
-    return choice
+
+    def fastest() -> dict[str, Any]:
+        first = {}
+        for w in weights:
+            first.setdefault((tuple(w.shape), str(w.dtype)), w)
+        ms = dict.fromkeys(map(str, timed), 0.0)
+        with torch.inference_mode():
+            for shape, n in counts.items():
+                for way in timed:
+                    ms[str(way)] += n * best_ms(one_row_call(way, first[shape]))
+        return {"one_row": min(ms, key=ms.get), "ms": ms}
+
+    folder = Path(cache_dir) / "one_row" if cache_dir is not None else None
+    kept, how = measured_once(folder, key, fastest)
+    return Choice(OneRow(kept["one_row"]), how, kept["ms"], len(counts))
 
 
 def choose_for(model: nn.Module, requested: OneRow, device_kind: str, cache_dir: str | Path | None) -> Choice:

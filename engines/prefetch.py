@@ -14,8 +14,6 @@ way's evidence (``cpu_kernel_prefetch_choice``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +25,7 @@ import torch
 
 from decodebench.device import read_bytes
 from decodebench.environment import cpu_flags, cpu_model
-from decodebench.files import write_text_atomic
+from decodebench.files import measured_once
 
 HINTS = ("nta", "t0+t1")  # the names csrc/rows.h gives its hints
 SHAPE = (12288, 1536)  # outputs, inputs: E2B's MLP gate and up of one layer, joined
@@ -103,16 +101,13 @@ def choose(cache: Path | None, held: dict[str, Any], timed: Callable[[], dict[st
     """The faster hint on this machine, read from ``cache`` where a choice for ``held`` (``key``) is there, else
     measured (``timed``: ``measure`` over ``cold_passes``) and written there (``cache`` None: measured every time);
     set for every kernel of the process either way."""
-    digest = hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache / f"{digest}.json" if cache is not None else None
-    if path is not None and path.is_file():
-        saved = json.loads(path.read_text())
-        choice = Choice(saved["hint"], f"cached ({path})", saved["ms"])
-    else:
+
+    def fastest() -> dict[str, Any]:
         with torch.inference_mode():
             ms = timed() if timed is not None else measure(cold_passes())
-        choice = Choice(min(ms, key=ms.get), "measured", ms)
-        if path is not None:
-            write_text_atomic(path, json.dumps({**held, "hint": choice.hint, "ms": ms}, indent=2) + "\n")
+        return {"hint": min(ms, key=ms.get), "ms": ms}
+
+    kept, how = measured_once(cache, held, fastest)
+    choice = Choice(kept["hint"], how, kept["ms"])
     torch.ops.decodebench_int4.use_prefetch_hint(choice.hint)
     return choice
